@@ -1,8 +1,8 @@
 """Sessions for the ttnpu monorepo.
 
-Every session installs from the committed ``uv.lock`` (``uv sync --frozen``) into its own venv, so the
-tests run against exactly the versions users get. ``tests-<package>`` syncs only that package, its own
-dependencies and its ``test`` group: this is what proves each library installs and works alone.
+Every session installs from the committed ``uv.lock`` (``uv sync --frozen``) into its own venv, so
+the tests run against exactly the versions users get. ``tests-<package>`` syncs only that package,
+its own dependencies and its ``test`` group: this proves each library installs and works alone.
 """
 
 from __future__ import annotations
@@ -66,15 +66,27 @@ def _tests(session: nox.Session, name: str) -> None:
         session.skip(f"{path.relative_to(ROOT)} has no code and no tests yet")
     _sync(session, "--package", f"ttnpu-{name}", "--group", "test")
     session.run(
-        "pytest", str(path / "tests"), "-m", "not e2e and not npu", *session.posargs,
+        "pytest",
+        str(path / "tests"),
+        "-m",
+        "not e2e and not npu",
+        *session.posargs,
         env={"OMP_NUM_THREADS": "1"},
     )
 
 
-for _name in PACKAGES:
-    nox.session(name=f"tests-{_name}", tags=["tests"])(
-        lambda session, _name=_name: _tests(session, _name)
+def _tests_session(name: str) -> None:
+    def session(session: nox.Session) -> None:
+        _tests(session, name)
+
+    session.__doc__ = (
+        f"ttnpu-{name}'s unit tests, in a venv holding only ttnpu-{name} and its deps."
     )
+    nox.session(name=f"tests-{name}", tags=["tests"])(session)
+
+
+for _name in PACKAGES:
+    _tests_session(_name)
 
 
 @nox.session
@@ -98,7 +110,7 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def npu(session: nox.Session) -> None:
-    """The NPU tests, for real, on an Ascend machine; elsewhere they ran against a recording fake."""
+    """The NPU tests, for real, on an Ascend machine; elsewhere a recording fake stood in."""
     toolkit = os.environ.get("ASCEND_HOME_PATH") or "/usr/local/Ascend"
     if not Path(toolkit).exists() or shutil.which("npu-smi") is None:
         session.skip(
@@ -106,4 +118,6 @@ def npu(session: nox.Session) -> None:
             "against the recording fake of torch_npu in the tests-* sessions"
         )
     _sync(session, "--all-packages", "--all-extras", "--group", "dev")
-    session.run("pytest", *(str(p / "tests") for p in PACKAGES.values()), "-m", "npu", *session.posargs)
+    session.run(
+        "pytest", *(str(p / "tests") for p in PACKAGES.values()), "-m", "npu", *session.posargs
+    )
