@@ -1,0 +1,188 @@
+"""Conversion between this package's state dict and the official DeepSeek-V4 checkpoint layout
+(the key names of the published weights, which transformers' DeepseekV4 loads), and safetensors
+save/load of a model directory (``config.json`` + ``model.safetensors``).
+
+The module tree mirrors the official names, so only two things change: routed experts are stacked
+here (``ffn.experts.w1`` [E, ...]) and per-expert there (``ffn.experts.{j}.w1.weight``), and the
+selection bias is ``ffn.expert_bias`` here and ``ffn.gate.bias`` there (learned gates only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import DeepSeekV4Config
+from .model import DeepSeekV4
+
+__all__ = [
+    "CheckpointError",
+    "from_official",
+    "load_official_state_dict",
+    "load_pretrained",
+    "save_pretrained",
+    "to_official",
+]
+
+_STACKED = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
+_PER_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_BIAS = re.compile(r"^(.*\.ffn)\.expert_bias$")
+_GATE_BIAS = re.compile(r"^(.*\.ffn)\.gate\.bias$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model: lists every missing, unexpected and
+    wrongly shaped key."""
+
+    def __init__(
+        self, missing: list[str], unexpected: list[str], mismatched: list[str], source: str
+    ) -> None:
+        parts = [f"checkpoint {source} does not match the model:"]
+        for label, keys in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("wrong shape", mismatched),
+        ):
+            if keys:
+                parts.append(f"  {label} ({len(keys)}): {', '.join(keys)}")
+        super().__init__("\n".join(parts))
+        self.missing, self.unexpected, self.mismatched = missing, unexpected, mismatched
+
+
+def to_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This package's state dict -> official key names and layout."""
+    out: dict[str, torch.Tensor] = {}
+    hash_ffns = {k.removesuffix(".gate.tid2eid") for k in state if k.endswith(".gate.tid2eid")}
+    for key, value in state.items():
+        if stacked := _STACKED.match(key):
+            prefix, name = stacked.groups()
+            for j, expert in enumerate(value.unbind(0)):
+                out[f"{prefix}.{j}.{name}.weight"] = expert.clone()
+        elif bias := _BIAS.match(key):
+            if bias.group(1) not in hash_ffns:  # hash layers carry no selection bias
+                out[f"{bias.group(1)}.gate.bias"] = value
+        else:
+            out[key] = value
+    return out
+
+
+def from_official(
+    state: Mapping[str, torch.Tensor], config: DeepSeekV4Config, *, source: str = "state dict"
+) -> dict[str, torch.Tensor]:
+    """Official key names -> this package's state dict, checked against ``config``'s model.
+
+    Raises :class:`CheckpointError` naming every missing, unexpected and wrongly shaped key."""
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if per := _PER_EXPERT.match(key):
+            prefix, j, name = per.groups()
+            experts.setdefault((prefix, name), {})[int(j)] = value
+        elif bias := _GATE_BIAS.match(key):
+            out[f"{bias.group(1)}.expert_bias"] = value
+        else:
+            out[key] = value
+    with torch.device("meta"):
+        expected = DeepSeekV4(config).state_dict()
+    missing: list[str] = []
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    for (prefix, name), by_index in experts.items():
+        key = f"{prefix}.{name}"
+        shape = expected[key].shape if key in expected else None
+        count = shape[0] if shape is not None else 0
+        spelled = {j: f"{prefix}.{j}.{name}.weight" for j in by_index}
+        unexpected += [spelled[j] for j in by_index if j >= count]
+        missing += [f"{prefix}.{j}.{name}.weight" for j in range(count) if j not in by_index]
+        wrong = [
+            f"{spelled[j]} {list(by_index[j].shape)} != {list(shape[1:])}"
+            for j in range(count)
+            if shape is not None and j in by_index and by_index[j].shape != shape[1:]
+        ]
+        mismatched += wrong
+        if count and not wrong and all(j in by_index for j in range(count)):
+            out[key] = torch.stack([by_index[j] for j in range(count)])
+        elif count:
+            expected.pop(key)  # reported per expert above
+    for key, value in expected.items():  # hash layers have a zero bias that is not exported
+        hash_table = key.removesuffix("expert_bias") + "gate.tid2eid"
+        if key.endswith(".expert_bias") and key not in out and hash_table in out:
+            out[key] = torch.zeros_like(value, device="cpu")
+    missing += sorted(_officialise(k) for k in expected.keys() - out.keys())
+    unexpected += sorted(out.keys() - expected.keys())
+    mismatched += sorted(
+        f"{key} {list(out[key].shape)} != {list(value.shape)}"
+        for key, value in expected.items()
+        if key in out and out[key].shape != value.shape and not _STACKED.match(key)
+    )
+    if missing or unexpected or mismatched:
+        raise CheckpointError(sorted(missing), sorted(unexpected), sorted(mismatched), source)
+    return {k: out[k] for k in expected}
+
+
+def _officialise(key: str) -> str:
+    """Name a missing internal key the way the official checkpoint spells it."""
+    if stacked := _STACKED.match(key):
+        return f"{stacked.group(1)}.<j>.{stacked.group(2)}.weight"
+    if bias := _BIAS.match(key):
+        return f"{bias.group(1)}.gate.bias"
+    return key
+
+
+def load_official_state_dict(
+    model: DeepSeekV4, state: Mapping[str, torch.Tensor], *, source: str = "state dict"
+) -> None:
+    """Load an official-layout state dict; nothing changes unless every key fits."""
+    converted = from_official(state, model.config, source=source)
+    current = model.state_dict()
+    with torch.no_grad():
+        for key, value in converted.items():
+            current[key].copy_(value)
+
+
+def save_pretrained(model: DeepSeekV4, directory: str | os.PathLike[str]) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (official layout) atomically: each file is
+    written beside its destination and renamed into place, so a kill leaves the old one intact."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in to_official(model.state_dict()).items()}
+    _atomic_write(path / "model.safetensors", lambda tmp: save_file(tensors, tmp))
+    config = json.dumps(model.config.to_hf_config(), indent=2, sort_keys=True)
+    _atomic_write(path / "config.json", lambda tmp: Path(tmp).write_text(config))
+    return path
+
+
+def load_pretrained(directory: str | os.PathLike[str]) -> DeepSeekV4:
+    """Build a model from ``config.json`` and load every ``*.safetensors`` file of the directory."""
+    path = Path(directory)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found")
+    config = DeepSeekV4Config.from_hf_config(json.loads(config_file.read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    model = DeepSeekV4(config)
+    load_official_state_dict(model, state, source=str(path))
+    return model
+
+
+def _atomic_write(destination: Path, write: Callable[[str], object]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, destination)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

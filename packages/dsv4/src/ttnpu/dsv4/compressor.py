@@ -1,0 +1,116 @@
+"""KV compressors (CSA overlapping, HCA non-overlapping) and the lightning indexer of CSA.
+
+A compressor turns every complete block of ``ratio`` tokens into one entry: a per-channel softmax
+over the block's gate logits (plus a learned position bias ``ape``) weights the block's projected
+kv. With ``overlap`` (CSA, ratio 4) each entry also reads the previous block through the first half
+of the 2c-wide projections, giving windows of 2m tokens at stride m. Entry s gets RoPE at s * m and
+is visible to query t iff ``s < (t + 1) // m`` (see :func:`visible_entries`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norms import RMSNorm
+from .rope import RopeTable, apply_rope
+
+__all__ = ["Compressor", "Indexer", "visible_entries"]
+
+
+def visible_entries(seq_len: int, n_entries: int, ratio: int, device: torch.device) -> torch.Tensor:
+    """Bool [S, N]: query t may read entry s iff its source block ends at or before t."""
+    t = torch.arange(seq_len, device=device).unsqueeze(1)
+    s = torch.arange(n_entries, device=device).unsqueeze(0)
+    return s < (t + 1) // ratio
+
+
+class Compressor(nn.Module):
+    """Projections in fp32; ``overlap`` doubles their width (previous-block | own-block half)."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, *, overlap: bool, eps: float) -> None:
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
+        width = (2 if overlap else 1) * head_dim
+        self.wkv = nn.Linear(dim, width, bias=False, dtype=torch.float32)
+        self.wgate = nn.Linear(dim, width, bias=False, dtype=torch.float32)
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+        """x [B, S, dim] -> entries [B, S // ratio, head_dim] (trailing partial block dropped)."""
+        batch, seq_len, _ = x.shape
+        m, c = self.ratio, self.head_dim
+        n = seq_len // m
+        if n == 0:
+            return x.new_zeros(batch, 0, c)
+        xs = x[:, : n * m].float()
+        kv = self.wkv(xs).view(batch, n, m, -1)
+        gate = self.wgate(xs).view(batch, n, m, -1) + self.ape
+        if self.overlap:
+            # Slots [0, m) read block i-1 through the first half; block -1 is empty (gate -inf).
+            prev_kv = F.pad(kv[:, :-1, :, :c], (0, 0, 0, 0, 1, 0))
+            prev_gate = F.pad(gate[:, :-1, :, :c], (0, 0, 0, 0, 1, 0), value=float("-inf"))
+            kv = torch.cat((prev_kv, kv[..., c:]), dim=2)
+            gate = torch.cat((prev_gate, gate[..., c:]), dim=2)
+        pooled = (kv * gate.softmax(dim=2)).sum(dim=2)
+        entries = self.norm(pooled)
+        return apply_rope(entries, rope.every(m, n)).to(x.dtype)
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.wkv.weight, std=std)
+        nn.init.normal_(self.wgate.weight, std=std)
+        nn.init.zeros_(self.ape)
+        self.norm.reset_parameters()
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s])``; keeps the top-k
+    visible entries per query. Its inputs are detached: top-k gives the LM loss no gradient path,
+    and an indexer objective (not part of this package yet) must not train the main model."""
+
+    def __init__(
+        self,
+        dim: int,
+        q_lora_rank: int,
+        n_heads: int,
+        head_dim: int,
+        ratio: int,
+        topk: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.ratio, self.topk = n_heads, head_dim, ratio, topk
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.weights_proj = nn.Linear(dim, n_heads, bias=False, dtype=torch.float32)
+        self.compressor = Compressor(dim, head_dim, ratio, overlap=True, eps=eps)
+        self.scale = head_dim**-0.5 * n_heads**-0.5
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+        """Index scores [B, S, N], -inf where the entry is not yet visible."""
+        x, qr = x.detach(), qr.detach()
+        batch, seq_len, _ = x.shape
+        keys = self.compressor(x, rope).float()
+        q = self.wq_b(qr).view(batch, seq_len, self.n_heads, self.head_dim)
+        q = apply_rope(q, rope).float()
+        weights = self.weights_proj(x.float()) * self.scale
+        logits = torch.einsum("bshd,bnd->bshn", q, keys).relu()
+        index = torch.einsum("bshn,bsh->bsn", logits, weights)
+        visible = visible_entries(seq_len, keys.shape[1], self.ratio, x.device)
+        return index.masked_fill(~visible, float("-inf"))
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+        """Bool [B, S, N]: the entries each query reads (top-k among its visible ones)."""
+        index = self.scores(x, qr, rope)
+        n = index.shape[-1]
+        selected = torch.zeros_like(index, dtype=torch.bool)
+        if n:
+            picks = index.topk(min(self.topk, n), dim=-1).indices
+            selected.scatter_(-1, picks, True)
+        return selected & index.isfinite()
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.wq_b.weight, std=std)
+        nn.init.normal_(self.weights_proj.weight, std=std)
+        self.compressor.reset_parameters(std)

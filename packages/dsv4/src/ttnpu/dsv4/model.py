@@ -1,0 +1,273 @@
+"""The DeepSeek-V4 transformer: embedding expanded to n mHC streams, blocks of (attention, MoE)
+sites, hc_head collapse, final norm and head; plus the depth-1 multi-token-prediction block."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import Attention
+from .config import DeepSeekV4Config
+from .mhc import hc_head, hc_post, hc_pre
+from .moe import MoE, Router
+from .norms import RMSNorm
+from .rope import RopeTable, rope_frequencies
+
+__all__ = ["Block", "DeepSeekV4", "MTPBlock"]
+
+IGNORE_INDEX = -100
+
+
+def _hc_site_params(n: int, dim: int) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
+    mix = (2 + n) * n
+    return (
+        nn.Parameter(torch.empty(mix, n * dim, dtype=torch.float32)),
+        nn.Parameter(torch.zeros(mix, dtype=torch.float32)),
+        nn.Parameter(torch.ones(3, dtype=torch.float32)),
+    )
+
+
+class Block(nn.Module):
+    """Two mHC sites: attention then MoE, each ``X' = post * F(norm(pre . X)) + comb^T X``."""
+
+    def __init__(self, config: DeepSeekV4Config, layer_id: int, ratio: int, *, hash_routed: bool):
+        super().__init__()
+        self.layer_id, self.ratio = layer_id, ratio
+        self.hc_iters, self.hc_eps, self.norm_eps = (
+            config.hc_sinkhorn_iters,
+            config.hc_eps,
+            config.norm_eps,
+        )
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = Attention(config, ratio)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn = MoE(config, hash_routed=hash_routed)
+        self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale = _hc_site_params(
+            config.hc_mult, config.dim
+        )
+        self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale = _hc_site_params(
+            config.hc_mult, config.dim
+        )
+
+    def forward(
+        self, x: torch.Tensor, rope: RopeTable, token_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Streams [B, S, n, dim] -> (new streams, this MoE's balance loss or None if hashed).
+        The loss is returned, not collected through an argument: FSDP may copy arguments."""
+        u, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+        x = hc_post(self.attn(self.attn_norm(u), rope), x, post, comb)
+        u, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        y, balance = self.ffn(self.ffn_norm(u), token_ids)
+        return hc_post(y, x, post, comb), balance
+
+    def _pre(
+        self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return hc_pre(
+            x, fn, base, scale, iters=self.hc_iters, eps=self.hc_eps, norm_eps=self.norm_eps
+        )
+
+    def reset_parameters(self, std: float, hc_scale: float) -> None:
+        self.attn_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attn.reset_parameters(std)
+        self.ffn.reset_parameters(std)
+        for fn, base, scale in (
+            (self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale),
+            (self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale),
+        ):
+            nn.init.normal_(fn, std=std)
+            nn.init.zeros_(base)
+            nn.init.constant_(scale, hc_scale)
+
+
+class MTPBlock(Block):
+    """Depth-1 MTP: ``e_proj(enorm(emb(t_{i+1}))) + h_proj(hnorm(X_i))`` through a sliding-window
+    block with a learned gate, then its own hc_head and norm (embedding and head are shared)."""
+
+    def __init__(self, config: DeepSeekV4Config, layer_id: int) -> None:
+        super().__init__(config, layer_id, 0, hash_routed=False)
+        self.e_proj = nn.Linear(config.dim, config.dim, bias=False)
+        self.h_proj = nn.Linear(config.dim, config.dim, bias=False)
+        self.enorm = RMSNorm(config.dim, config.norm_eps)
+        self.hnorm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.hc_head_fn = nn.Parameter(
+            torch.empty(config.hc_mult, config.hc_mult * config.dim, dtype=torch.float32)
+        )
+        self.hc_head_base = nn.Parameter(torch.zeros(config.hc_mult, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def predict(
+        self,
+        streams: torch.Tensor,
+        next_embedding: torch.Tensor,
+        rope: RopeTable,
+        token_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(The normalised hidden state [B, S, dim] the shared head turns into MTP logits, the
+        block's balance loss)."""
+        x = self.e_proj(self.enorm(next_embedding)).unsqueeze(-2) + self.h_proj(self.hnorm(streams))
+        x, balance = self.forward(x, rope, token_ids)
+        collapsed = hc_head(
+            x,
+            self.hc_head_fn,
+            self.hc_head_base,
+            self.hc_head_scale,
+            eps=self.hc_eps,
+            norm_eps=self.norm_eps,
+        )
+        return self.norm(collapsed), balance
+
+    def reset_parameters(self, std: float, hc_scale: float) -> None:
+        super().reset_parameters(std, hc_scale)
+        for linear in (self.e_proj, self.h_proj):
+            nn.init.normal_(linear.weight, std=std)
+        for norm in (self.enorm, self.hnorm, self.norm):
+            norm.reset_parameters()
+        nn.init.normal_(self.hc_head_fn, std=std)
+        nn.init.zeros_(self.hc_head_base)
+        nn.init.constant_(self.hc_head_scale, hc_scale)
+
+
+class DeepSeekV4(nn.Module):
+    """``model(tokens)`` -> main-head logits; ``model.loss(tokens, labels)`` -> training loss."""
+
+    main_inv_freq: torch.Tensor
+    compress_inv_freq: torch.Tensor
+
+    def __init__(self, config: DeepSeekV4Config) -> None:
+        super().__init__()
+        self.config = c = config
+        self.embed = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(
+            Block(c, i, ratio, hash_routed=c.is_hash_layer(i))
+            for i, ratio in enumerate(c.compress_ratios)
+        )
+        self.mtp = nn.ModuleList(MTPBlock(c, c.n_layers + i) for i in range(c.n_mtp_layers))
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        self.head = nn.Linear(c.dim, c.vocab_size, bias=False)
+        self.hc_head_fn = nn.Parameter(
+            torch.empty(c.hc_mult, c.hc_mult * c.dim, dtype=torch.float32)
+        )
+        self.hc_head_base = nn.Parameter(torch.zeros(c.hc_mult, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        main, compress = self._inv_freqs()
+        self.register_buffer("main_inv_freq", main, persistent=False)
+        self.register_buffer("compress_inv_freq", compress, persistent=False)
+        for name, module in self.named_modules():
+            if isinstance(module, Router):
+                module.name = name
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """N(0, init_std) matrices, unit norms, zero sinks/ape/bias, mHC scale ``hc_init_scale``,
+        the fixed-seed hash table. Deterministic under ``torch.manual_seed``."""
+        c = self.config
+        with torch.no_grad():
+            nn.init.normal_(self.embed.weight, std=c.init_std)
+            nn.init.normal_(self.head.weight, std=c.init_std)
+            self.norm.reset_parameters()
+            nn.init.normal_(self.hc_head_fn, std=c.init_std)
+            nn.init.zeros_(self.hc_head_base)
+            nn.init.constant_(self.hc_head_scale, c.hc_init_scale)
+            for block in [*self.layers, *self.mtp]:
+                block.reset_parameters(c.init_std, c.hc_init_scale)
+            if not self.main_inv_freq.is_meta:  # recomputed: to_empty() leaves buffers garbage
+                main, compress = self._inv_freqs()
+                self.main_inv_freq.copy_(main)
+                self.compress_inv_freq.copy_(compress)
+
+    def _inv_freqs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE frequencies: main (SWA layers, MTP) and compress (CSA/HCA, YaRN if enabled)."""
+        c = self.config
+        main = rope_frequencies(c.rope_head_dim, c.rope_theta)
+        if not c.use_yarn:
+            return main, rope_frequencies(c.rope_head_dim, c.compress_rope_theta)
+        compress = rope_frequencies(
+            c.rope_head_dim,
+            c.compress_rope_theta,
+            yarn_factor=c.rope_factor,
+            original_seq_len=c.original_seq_len,
+            beta_fast=c.beta_fast,
+            beta_slow=c.beta_slow,
+        )
+        return main, compress
+
+    # Forward ---------------------------------------------------------------------------------
+    def _rope_tables(self, seq_len: int, device: torch.device) -> tuple[RopeTable, RopeTable]:
+        return (
+            RopeTable.build(self.main_inv_freq, seq_len, device),
+            RopeTable.build(self.compress_inv_freq, seq_len, device),
+        )
+
+    def body(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The n-stream state [B, S, n, dim] after the last main block, and the learned-gate
+        layers' balance losses."""
+        if tokens.dim() != 2 or tokens.dtype != torch.long:
+            raise ValueError(
+                f"tokens must be a LongTensor [B, S], got {tokens.dtype} {list(tokens.shape)}"
+            )
+        main, compress = self._rope_tables(tokens.shape[1], tokens.device)
+        x = self.embed(tokens).unsqueeze(-2).expand(-1, -1, self.config.hc_mult, -1)
+        balances = []
+        for block in self.layers:
+            x, balance = block(x, compress if block.ratio else main, tokens)
+            if balance is not None:
+                balances.append(balance)
+        return x, balances
+
+    def _logits(self, streams: torch.Tensor) -> torch.Tensor:
+        collapsed = hc_head(
+            streams,
+            self.hc_head_fn,
+            self.hc_head_base,
+            self.hc_head_scale,
+            eps=self.config.hc_eps,
+            norm_eps=self.config.norm_eps,
+        )
+        return self.head(self.norm(collapsed))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] -> main-head logits [B, S, vocab]."""
+        return self._logits(self.body(tokens)[0])
+
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Next-token CE + ``mtp_loss_weight`` x MTP CE + ``balance_loss_coef`` x the summed
+        sequence balance losses. ``labels[b, i]`` is the target of position i (-100 = ignore)."""
+        if labels.shape != tokens.shape:
+            raise ValueError(f"labels {list(labels.shape)} must match tokens {list(tokens.shape)}")
+        c = self.config
+        streams, balances = self.body(tokens)
+        logits = self._logits(streams)
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX
+        )
+        if self.mtp and tokens.shape[1] > 1:
+            main_rope, _ = self._rope_tables(tokens.shape[1], tokens.device)
+            # Position i sees t_{i+1} (= labels[i]) and predicts t_{i+2} (= labels[i+1]).
+            next_embedding = self.embed(labels.clamp(min=0))
+            target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+            for block in cast(list[MTPBlock], list(self.mtp)):
+                hidden, balance = block.predict(streams, next_embedding, main_rope, tokens)
+                balances += [] if balance is None else [balance]
+                mtp_logits = self.head.forward(hidden)
+                loss = loss + c.mtp_loss_weight * F.cross_entropy(
+                    mtp_logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX
+                ) / len(self.mtp)
+        if balances and c.balance_loss_coef:
+            loss = loss + c.balance_loss_coef * torch.stack(balances).sum()
+        return loss
+
+    def routers(self) -> list[Router]:
+        """The learned-gate routers (main layers, then MTP), as found by ``named_modules``."""
+        return [m for m in self.modules() if isinstance(m, Router)]
+
+    def reset_step_state(self) -> None:
+        """Zero every MoE's step counters."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_step_state()

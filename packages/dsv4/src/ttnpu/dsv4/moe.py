@@ -1,0 +1,319 @@
+"""Mixture of experts: sqrt-softplus gate, aux-loss-free selection bias, hash-routed first layers,
+clamped SwiGLU experts run through one grouped matmul, a shared expert, the sequence-wise balance
+loss and the bias update (outside autograd).
+
+Routing protocol (what ttnpu-routing drives, without importing this package): every learned-gate
+:class:`Router` has ``num_experts``, ``top_k``, ``last_indices`` (the [tokens, top_k] int64 choice
+of its latest forward) and ``force_indices(indices | None)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import DeepSeekV4Config
+
+__all__ = [
+    "Dispatch",
+    "Expert",
+    "GroupedExperts",
+    "HashRouter",
+    "MoE",
+    "Router",
+    "balance_loss",
+    "gate_scores",
+    "grouped_linear",
+    "local_dispatch",
+    "swiglu_clamped",
+    "update_expert_bias",
+]
+
+
+def gate_scores(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``sqrt(softplus(x W^T))`` in fp32: non-negative affinities [tokens, experts]."""
+    return F.softplus(x.float() @ weight.float().t()).sqrt()
+
+
+def _combine_weights(
+    scores: torch.Tensor, indices: torch.Tensor, route_scale: float
+) -> torch.Tensor:
+    """Unbiased scores at the chosen experts, renormalised to sum to ``route_scale``."""
+    picked = scores.gather(1, indices)
+    return picked / picked.sum(dim=-1, keepdim=True) * route_scale
+
+
+class Router(nn.Module):
+    """Learned gate: ``TopK(s + bias)`` chooses, unbiased ``s`` weighs."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, route_scale: float) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.route_scale = num_experts, top_k, route_scale
+        self.weight = nn.Parameter(torch.empty(num_experts, dim, dtype=torch.float32))
+        self.name = "router"
+        self.last_indices: torch.Tensor | None = None
+        self._forced: torch.Tensor | None = None
+
+    def force_indices(self, indices: torch.Tensor | None) -> None:
+        """Use ``indices`` [tokens, top_k] (int64, in range) instead of choosing, until None."""
+        if indices is not None:
+            if indices.dtype != torch.int64:
+                raise ValueError(f"{self.name}: forced indices must be int64, got {indices.dtype}")
+            if indices.dim() != 2 or indices.shape[1] != self.top_k:
+                raise ValueError(
+                    f"{self.name}: forced indices must have shape [tokens, {self.top_k}], "
+                    f"got {list(indices.shape)}"
+                )
+            if indices.numel() and (indices.min() < 0 or indices.max() >= self.num_experts):
+                raise ValueError(
+                    f"{self.name}: forced indices must lie in [0, {self.num_experts}), got "
+                    f"[{int(indices.min())}, {int(indices.max())}]"
+                )
+        self._forced = indices
+
+    def forward(
+        self, x: torch.Tensor, bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (combine weights [T, k], indices [T, k] int64, scores [T, E])."""
+        scores = gate_scores(x, self.weight)
+        if self._forced is not None:
+            if self._forced.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"{self.name}: forced indices cover {self._forced.shape[0]} tokens, this "
+                    f"forward has {x.shape[0]}"
+                )
+            indices = self._forced.to(x.device)
+        else:
+            with torch.no_grad():
+                indices = (scores + bias).topk(self.top_k, dim=-1).indices
+        self.last_indices = indices.detach()
+        return _combine_weights(scores, indices, self.route_scale), indices, scores
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.weight, std=std)
+        self.last_indices = None
+
+
+class HashRouter(nn.Module):
+    """First layers: experts fixed per token id by the frozen ``tid2eid`` table; the learned gate
+    only weighs them. Not a routing-protocol router (nothing to capture or replay)."""
+
+    tid2eid: torch.Tensor
+
+    def __init__(
+        self, dim: int, vocab_size: int, num_experts: int, top_k: int, route_scale: float, seed: int
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.route_scale, self.seed = num_experts, route_scale, seed
+        self.hash_top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, dim, dtype=torch.float32))
+        self.register_buffer("tid2eid", torch.zeros(vocab_size, top_k, dtype=torch.int32))
+
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = gate_scores(x, self.weight)
+        indices = self.tid2eid[token_ids.reshape(-1)].long()
+        return _combine_weights(scores, indices, self.route_scale), indices, scores
+
+    def reset_parameters(self, std: float) -> None:
+        nn.init.normal_(self.weight, std=std)
+        if self.tid2eid.is_meta:
+            return
+        # Per token id, top-k of rand(num_experts): k distinct experts, from a fixed seed.
+        generator = torch.Generator().manual_seed(self.seed)
+        rows = []
+        for start in range(0, self.tid2eid.shape[0], 8192):
+            count = min(8192, int(self.tid2eid.shape[0]) - start)
+            noise = torch.rand(count, self.num_experts, generator=generator)
+            rows.append(noise.topk(self.hash_top_k, dim=-1).indices)
+        self.tid2eid.copy_(torch.cat(rows).to(torch.int32))
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (asymmetric clamp)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of x (sorted by expert) times weight[e]^T; ``torch._grouped_mm`` (fp32 and bf16 on CPU
+    in torch 2.14), else one padded batched matmul for other dtypes."""
+    if x.dtype in (torch.float32, torch.bfloat16) and x.dtype == weight.dtype:
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()
+    starts = offsets.long() - counts
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts)
+    slot = torch.arange(x.shape[0], device=x.device) - starts[expert]
+    padded = x.new_zeros(len(counts), int(counts.max()) if x.shape[0] else 0, x.shape[1])
+    padded = padded.index_put((expert, slot), x)
+    return torch.bmm(padded, weight.transpose(-2, -1))[expert, slot]
+
+
+class GroupedExperts(nn.Module):
+    """Routed experts as stacked weights: w1, w3 [E, inter, dim] (gate, up); w2 [E, dim, inter]."""
+
+    def __init__(self, num_experts: int, dim: int, inter_dim: int, swiglu_limit: float) -> None:
+        super().__init__()
+        self.num_experts, self.swiglu_limit = num_experts, swiglu_limit
+        self.w1 = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x [R, dim] sorted by expert, ``tokens_per_expert`` [E] -> [R, dim]."""
+        offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        x = x.to(self.w1.dtype)
+        gate, up = grouped_linear(x, self.w1, offsets), grouped_linear(x, self.w3, offsets)
+        return grouped_linear(swiglu_clamped(gate, up, self.swiglu_limit), self.w2, offsets)
+
+    def reset_parameters(self, std: float) -> None:
+        for weight in (self.w1, self.w2, self.w3):
+            nn.init.normal_(weight, std=std)
+
+
+class Expert(nn.Module):
+    """The shared expert: the same clamped SwiGLU as the routed ones."""
+
+    def __init__(self, dim: int, inter_dim: int, swiglu_limit: float) -> None:
+        super().__init__()
+        self.swiglu_limit = swiglu_limit
+        self.w1 = nn.Linear(dim, inter_dim, bias=False)
+        self.w2 = nn.Linear(inter_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu_clamped(self.w1(x), self.w3(x), self.swiglu_limit))
+
+    def reset_parameters(self, std: float) -> None:
+        for linear in (self.w1, self.w2, self.w3):
+            nn.init.normal_(linear.weight, std=std)
+
+
+Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "GroupedExperts"], torch.Tensor]
+
+
+def local_dispatch(
+    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, experts: GroupedExperts
+) -> torch.Tensor:
+    """Sort the (token, expert) pairs by expert, run the grouped experts, scatter-add back."""
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // indices.shape[1]
+    counts = torch.bincount(flat, minlength=experts.num_experts)
+    out = experts(x[token_of], counts) * weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token_of, out.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """Routed experts (learned gate or hash table) plus the shared expert.
+
+    Buffers: ``expert_bias`` (persistent, fp32; selection only, updated by
+    :func:`update_expert_bias`) and ``tokens_per_expert`` (non-persistent fp32 counts of this
+    step's routed tokens, accumulated under no_grad)."""
+
+    expert_bias: torch.Tensor
+    tokens_per_expert: torch.Tensor
+
+    def __init__(self, config: DeepSeekV4Config, *, hash_routed: bool) -> None:
+        super().__init__()
+        c = config
+        self.num_experts, self.top_k, self.hash_routed = (
+            c.n_routed_experts,
+            c.n_activated_experts,
+            hash_routed,
+        )
+        self.gate: Router | HashRouter
+        if hash_routed:
+            self.gate = HashRouter(
+                c.dim,
+                c.vocab_size,
+                c.n_routed_experts,
+                c.n_activated_experts,
+                c.route_scale,
+                c.hash_seed,
+            )
+        else:
+            self.gate = Router(c.dim, c.n_routed_experts, c.n_activated_experts, c.route_scale)
+        self.experts = GroupedExperts(c.n_routed_experts, c.dim, c.moe_inter_dim, c.swiglu_limit)
+        self.shared_experts = Expert(c.dim, c.n_shared_experts * c.moe_inter_dim, c.swiglu_limit)
+        self.register_buffer("expert_bias", torch.zeros(c.n_routed_experts, dtype=torch.float32))
+        self.register_buffer(
+            "tokens_per_expert",
+            torch.zeros(c.n_routed_experts, dtype=torch.float32),
+            persistent=False,
+        )
+        self.dispatch: Dispatch = local_dispatch
+
+    def forward(
+        self, x: torch.Tensor, token_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, S, dim] -> (y [B, S, dim], sequence balance loss or None on hash layers)."""
+        batch, seq_len, dim = x.shape
+        flat = x.reshape(-1, dim)
+        if isinstance(self.gate, HashRouter):
+            weights, indices, scores = self.gate(flat, token_ids)
+        else:
+            weights, indices, scores = self.gate(flat, self.expert_bias)
+        with torch.no_grad():
+            self.tokens_per_expert += torch.bincount(
+                indices.reshape(-1), minlength=self.num_experts
+            ).float()
+        routed = self.dispatch(flat, indices, weights, self.experts)
+        y = (routed + self.shared_experts(flat)).view(batch, seq_len, dim)
+        if self.hash_routed:
+            return y, None
+        return y, balance_loss(
+            scores.view(batch, seq_len, -1), indices.view(batch, seq_len, -1), self.num_experts
+        )
+
+    def reset_step_state(self) -> None:
+        """Zero the step's counters (after a discarded step, or once the bias is updated)."""
+        self.tokens_per_expert.zero_()
+
+    def reset_parameters(self, std: float) -> None:
+        self.gate.reset_parameters(std)
+        self.experts.reset_parameters(std)
+        self.shared_experts.reset_parameters(std)
+        self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+
+def balance_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Sequence-wise balance loss ``sum_i f_i P_i`` averaged over sequences (unscaled):
+    f_i = E / (K T) * #tokens routed to i, P_i = mean over tokens of the normalised scores."""
+    batch, seq_len, top_k = indices.shape
+    counts = torch.zeros(batch, num_experts, device=scores.device, dtype=torch.float32)
+    counts.scatter_add_(
+        1,
+        indices.reshape(batch, -1),
+        torch.ones_like(indices.reshape(batch, -1), dtype=torch.float32),
+    )
+    f = counts * (num_experts / (top_k * seq_len))
+    p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
+    return (f * p).sum(dim=-1).mean()
+
+
+def update_expert_bias(
+    model: nn.Module,
+    rate: float,
+    reduce_counts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Aux-loss-free balancing: ``bias += rate * sign(mean_load - load)`` on every learned-gate
+    MoE, outside autograd, then reset every MoE's counters. ``reduce_counts`` receives the
+    stacked [layers, experts] counts (e.g. an all-reduce across replicas so all apply the same
+    update) and returns the counts to use."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    learned = [m for m in moes if not m.hash_routed]
+    with torch.no_grad():
+        if learned:
+            counts = torch.stack([m.tokens_per_expert for m in learned])
+            if reduce_counts is not None:
+                counts = reduce_counts(counts)
+            delta = torch.sign(counts.mean(dim=-1, keepdim=True) - counts) * rate
+            for moe, row in zip(learned, delta, strict=True):
+                moe.expert_bias += row.to(moe.expert_bias.device)
+        for moe in moes:
+            moe.reset_step_state()

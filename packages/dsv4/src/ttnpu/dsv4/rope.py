@@ -1,0 +1,79 @@
+"""Partial, trailing, interleaved rotary embedding with optional YaRN, and its inverse.
+
+Only the last ``rope_dim`` channels rotate, pairing channels (2k, 2k+1) as the released weights
+need.
+The inverse rotation (position -t) is applied to the attention output, because K = V carries the
+keys' absolute rotation into the output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RopeTable", "apply_rope", "rope_frequencies"]
+
+
+def _correction_dim(n_rot: float, dim: int, base: float, seq_len: int) -> float:
+    return dim * math.log(seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+
+def rope_frequencies(
+    dim: int,
+    base: float,
+    *,
+    yarn_factor: float | None = None,
+    original_seq_len: int = 0,
+    beta_fast: int = 32,
+    beta_slow: int = 1,
+) -> torch.Tensor:
+    """Inverse frequencies [dim // 2]; with YaRN, blend interpolated and original frequencies
+    over the correction range (no mscale: DeepSeek-V4 keeps the softmax scale and cos/sin)."""
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if yarn_factor is None:
+        return freqs.float()
+    low = max(math.floor(_correction_dim(beta_fast, dim, base, original_seq_len)), 0)
+    high = min(math.ceil(_correction_dim(beta_slow, dim, base, original_seq_len)), dim - 1)
+    span = (high - low) or 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / span).clamp(0, 1)
+    smooth = 1 - ramp
+    return (freqs / yarn_factor * (1 - smooth) + freqs * smooth).float()
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """cos/sin [S, rope_dim // 2] for positions 0..S-1 of one forward pass."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def build(cls, inv_freq: torch.Tensor, seq_len: int, device: torch.device) -> RopeTable:
+        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq.to(device=device, dtype=torch.float32))
+        return cls(angles.cos(), angles.sin())
+
+    def every(self, stride: int, count: int) -> RopeTable:
+        """The rows of positions 0, stride, 2*stride, ... (compressed entry s sits at s * m)."""
+        return RopeTable(self.cos[::stride][:count], self.sin[::stride][:count])
+
+
+def apply_rope(x: torch.Tensor, table: RopeTable, *, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing ``2 * cos.shape[-1]`` channels of x [..., S, (heads,) D].
+
+    ``table`` rows align with x's sequence axis: axis -2 for [B, S, D] and -3 for [B, S, H, D]
+    (pass ``x`` with the head axis last-but-one and cos/sin are broadcast over heads)."""
+    half = table.cos.shape[-1]
+    rope_dim = 2 * half
+    cos, sin = table.cos, table.sin
+    if x.dim() == 4:  # [B, S, H, D]: broadcast over heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if inverse:
+        sin = -sin
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    pairs = rope.float().unflatten(-1, (half, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
