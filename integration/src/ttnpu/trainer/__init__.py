@@ -2,4 +2,31 @@
 
 from importlib.metadata import version
 
+from .checkpoint import ChecksummedCheckpointManager
+from .config_registry import CONFIGS
+from .corpus import DATASET_NAME, corpus_path, load_corpus, tokenizer_path
+from .model import DeepSeekV4LM, model_spec
+from .platform import Platform, activate, detect
+from .run_folder import CheckpointError, newest_checkpoint, verify_checkpoint, write_checksums
+from .trainer import DSV4Trainer
+
 __version__ = version("ttnpu-trainer")
+__all__ = [
+    "CONFIGS",
+    "DATASET_NAME",
+    "CheckpointError",
+    "ChecksummedCheckpointManager",
+    "DSV4Trainer",
+    "DeepSeekV4LM",
+    "Platform",
+    "__version__",
+    "activate",
+    "corpus_path",
+    "detect",
+    "load_corpus",
+    "model_spec",
+    "newest_checkpoint",
+    "tokenizer_path",
+    "verify_checkpoint",
+    "write_checksums",
+]

@@ -1,0 +1,167 @@
+"""``ttnpu-train``: train a registered recipe; every run writes under one run folder.
+
+    ttnpu-train                                # dsv4_debug, bundled corpus, cpu without accelerator
+    ttnpu-train --config dsv4_small --training.steps 50
+    ttnpu-train --resume runs/20261202-113000  # continue that run from its newest checkpoint
+
+A run folder (``<dump_folder>/<timestamp or --run-name>/``, default ``runs/``) holds
+``command.json`` (the recipe and overrides it was started with), ``checkpoint/step-N/`` and ``tb/``
+(TensorBoard). ``--resume`` reuses the saved recipe and overrides, with any new overrides applied on
+top. Without a launcher the process is a one-rank job (``RANK``/``WORLD_SIZE``/``MASTER_*`` set
+here); under torchrun its environment is used and ``--run-name`` gives all ranks one folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .run_folder import CheckpointError, newest_checkpoint, verify_checkpoint
+
+__all__ = ["main"]
+
+DEFAULT_CONFIG = "dsv4_debug"
+_COMMAND_FILE = "command.json"
+
+
+class UsageError(Exception):
+    """A bad command line or config: reported in one line, exit status 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ttnpu-train",
+        description="Train DeepSeek-V4 with torchtitan; any other --section.key VALUE is a "
+        "torchtitan config override (see --help-config).",
+        add_help=False,
+    )
+    parser.add_argument("-h", "--help", action="help", help="show this help and exit")
+    parser.add_argument("--config", help=f"recipe name (default {DEFAULT_CONFIG})")
+    parser.add_argument("--resume", type=Path, metavar="RUN_FOLDER", help="continue a run")
+    parser.add_argument(
+        "--run-name", help="run folder name under --dump_folder (default: a timestamp)"
+    )
+    parser.add_argument("--list-configs", action="store_true", help="list recipes and exit")
+    parser.add_argument(
+        "--help-config", action="store_true", help="show every config override and exit"
+    )
+    return parser
+
+
+def single_process_env() -> None:
+    """A one-rank job unless a launcher (torchrun) already set the rank environment."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+
+
+def _new_run_folder(parent: Path, name: str | None) -> Path:
+    """``parent/<name or timestamp>``; ranks of one torchrun job share it through ``--run-name``."""
+    if name is None:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UsageError("under torchrun (WORLD_SIZE > 1) pass --run-name for all ranks")
+        name = time.strftime("%Y%m%d-%H%M%S")
+        while (parent / name).exists():  # two runs started in the same second
+            name += "-1"
+    run = parent / name
+    if (run / _COMMAND_FILE).exists():
+        raise UsageError(f"run folder {run} already holds a run; use --resume {run}")
+    run.mkdir(parents=True, exist_ok=True)
+    return run
+
+
+def _plan(args: argparse.Namespace, overrides: list[str]) -> tuple[str, list[str], Path | None]:
+    """(recipe, overrides, run folder to resume or None), from the command line and, with
+    ``--resume``, the run folder's ``command.json``."""
+    if args.resume is None:
+        return args.config or DEFAULT_CONFIG, overrides, None
+    run = args.resume
+    saved_file = run / _COMMAND_FILE
+    if not saved_file.is_file():
+        raise UsageError(f"--resume {run}: not a run folder (no {_COMMAND_FILE})")
+    try:
+        saved = json.loads(saved_file.read_text())
+        config, saved_overrides = saved["config"], list(saved["overrides"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"--resume {run}: {saved_file} is corrupt ({err})") from err
+    if args.config not in (None, config):
+        raise UsageError(f"--resume {run}: the run used --config {config}, not {args.config}")
+    return config, [*saved_overrides, *overrides], run
+
+
+def _run(argv: Sequence[str]) -> int:
+    args, overrides = _parser().parse_known_args(argv)
+    from .config_registry import CONFIGS
+
+    if args.list_configs:
+        for name, fn in CONFIGS.items():
+            print(f"{name:16s} {(fn.__doc__ or '').strip().splitlines()[0]}")
+        return 0
+    config_name, overrides, resume = _plan(args, overrides)
+    if config_name not in CONFIGS:
+        raise UsageError(f"unknown --config {config_name!r}; expected one of {sorted(CONFIGS)}")
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    tyro_args = ["--module", "ttnpu.trainer", "--config", config_name, *overrides]
+    if args.help_config:
+        tyro_args.append("--help")
+    config = ConfigManager().parse_args(tyro_args)  # exits 2 with tyro's message on a bad flag
+
+    if resume is not None:
+        # CheckpointError (missing, incomplete or corrupt) before anything is built or changed.
+        checkpoints = resume / config.checkpoint.folder
+        if config.checkpoint.load_step >= 0:
+            verify_checkpoint(checkpoints / f"step-{config.checkpoint.load_step}")
+        else:
+            newest_checkpoint(checkpoints)
+        run = resume
+    else:
+        run = _new_run_folder(Path(config.dump_folder), args.run_name)
+    config.dump_folder = str(run)
+    if not sys.stdout.isatty():
+        config.metrics.disable_color_printing = True
+    print(f"ttnpu-train: {config_name} -> run folder {run}", flush=True)
+
+    single_process_env()
+    try:
+        trainer = config.build()
+    except ValueError as err:  # torchtitan and the model validate their configs with ValueError
+        if resume is None and os.environ["RANK"] == "0":
+            shutil.rmtree(run, ignore_errors=True)  # a run that never started leaves nothing
+        raise UsageError(f"invalid config {config_name}: {err}") from err
+    if resume is None and os.environ["RANK"] == "0":
+        (run / _COMMAND_FILE).write_text(
+            json.dumps({"config": config_name, "overrides": overrides}, indent=2) + "\n"
+        )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(sys.argv[1:] if argv is None else argv)
+    except (UsageError, CheckpointError) as err:
+        print(f"ttnpu-train: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,126 @@
+"""ttnpu-train's command line: recipe choice, run folders, and the errors it reports before
+anything is built (these run in-process: nothing here starts training)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ttnpu.trainer import write_checksums
+from ttnpu.trainer.cli import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _run_folder(tmp_path: Path, *, steps: tuple[int, ...] = (2,)) -> Path:
+    run = tmp_path / "runs" / "20260101-000000"
+    run.mkdir(parents=True)
+    (run / "command.json").write_text(json.dumps({"config": "dsv4_debug", "overrides": []}))
+    for step in steps:
+        dcp.save({"w": torch.ones(100)}, checkpoint_id=str(run / "checkpoint" / f"step-{step}"))
+    return run
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_list_configs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--list-configs"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert names == ["dsv4_debug", "dsv4_small", "dsv4_flash", "dsv4_flash_ft"]
+
+
+def test_unknown_config_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--config", "dsv5"]) == 2
+    assert "unknown --config 'dsv5'; expected one of" in capsys.readouterr().err
+
+
+def test_resume_of_a_folder_that_is_not_a_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--resume", str(tmp_path)]) == 2
+    assert "not a run folder (no command.json)" in capsys.readouterr().err
+
+
+def test_resume_with_a_different_recipe_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _run_folder(tmp_path)
+    assert main(["--resume", str(run), "--config", "dsv4_small"]) == 2
+    assert "the run used --config dsv4_debug, not dsv4_small" in capsys.readouterr().err
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _run_folder(tmp_path, steps=())
+    assert main(["--resume", str(run)]) == 2
+    assert "no checkpoint folder" in capsys.readouterr().err
+
+
+def test_resume_from_a_corrupt_checkpoint_names_the_file_and_changes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _run_folder(tmp_path, steps=(2, 4))
+    data = next((run / "checkpoint" / "step-4").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:10])
+    before = _snapshot(tmp_path)
+    assert main(["--resume", str(run)]) == 2
+    assert f"{data.name} is truncated" in capsys.readouterr().err
+    assert _snapshot(tmp_path) == before
+
+
+def test_resume_from_a_named_step_checks_that_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _run_folder(tmp_path, steps=(2,))
+    assert main(["--resume", str(run), "--checkpoint.load_step", "3"]) == 2
+    assert "step-3 is incomplete" in capsys.readouterr().err
+
+
+def test_corrupt_command_file_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _run_folder(tmp_path)
+    (run / "command.json").write_text("{not json")
+    assert main(["--resume", str(run)]) == 2
+    assert "command.json is corrupt" in capsys.readouterr().err
+
+
+def test_a_run_name_that_already_holds_a_run_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _run_folder(tmp_path)
+    argv = ["--dump_folder", str(run.parent), "--run-name", run.name]
+    assert main(argv) == 2
+    assert f"already holds a run; use --resume {run}" in capsys.readouterr().err
+
+
+def test_ranks_of_a_torchrun_job_must_share_a_run_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--dump_folder", str(tmp_path)]) == 2
+    assert "pass --run-name" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_from_a_bit_flipped_checkpoint_names_the_file_and_changes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _run_folder(tmp_path, steps=(2,))
+    step = run / "checkpoint" / "step-2"
+    write_checksums(step)
+    data = next(step.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[-20] ^= 0x01
+    data.write_bytes(bytes(raw))
+    before = _snapshot(tmp_path)
+    assert main(["--resume", str(run)]) == 2
+    assert f"{data.name} does not match its SHA-256 (corrupt)" in capsys.readouterr().err
+    assert _snapshot(tmp_path) == before

@@ -1,0 +1,69 @@
+"""The recipes, parsed the way ttnpu-train parses them: torchtitan's ConfigManager and tyro."""
+
+from __future__ import annotations
+
+import pytest
+from torchtitan.config import ConfigManager
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+from ttnpu.trainer import CONFIGS, DATASET_NAME, DeepSeekV4LM, DSV4Trainer, tokenizer_path
+
+
+def _parse(*args: str) -> DSV4Trainer.Config:
+    config = ConfigManager().parse_args(["--module", "ttnpu.trainer", *args])
+    assert isinstance(config, DSV4Trainer.Config)
+    return config
+
+
+def test_the_registry_has_the_four_recipes_and_each_parses() -> None:
+    assert list(CONFIGS) == ["dsv4_debug", "dsv4_small", "dsv4_flash", "dsv4_flash_ft"]
+    flavors = {}
+    for name in CONFIGS:
+        config = _parse("--config", name)
+        assert config.model_spec is not None
+        assert isinstance(config.model_spec.model, DeepSeekV4LM.Config)
+        flavors[name] = config.model_spec.model.flavor
+        assert config.checkpoint.enable and not config.checkpoint.last_save_model_only
+    assert flavors == {
+        "dsv4_debug": "debug",
+        "dsv4_small": "small",
+        "dsv4_flash": "flash",
+        "dsv4_flash_ft": "flash",
+    }
+
+
+def test_dsv4_debug_trains_on_the_bundled_corpus_with_tensorboard_and_checkpoints() -> None:
+    config = _parse("--config", "dsv4_debug")
+    assert config.hf_assets_path == tokenizer_path()
+    assert isinstance(config.dataloader, HuggingFaceTextDataLoader.Config)
+    assert config.dataloader.dataset == DATASET_NAME
+    assert config.metrics.enable_tensorboard and config.metrics.log_freq == 1
+    assert config.device == "auto"
+    model = config.model_spec.model if config.model_spec else None
+    assert isinstance(model, DeepSeekV4LM.Config) and model.dsv4().vocab_size == 2048
+
+
+def test_dsv4_flash_ft_is_two_groups_of_64_dies_each_fsdp_64_by_ep_64() -> None:
+    config = _parse("--config", "dsv4_flash_ft")
+    assert config.parallelism.data_parallel_shard_degree == 64
+    assert config.parallelism.expert_parallel_degree == 64
+    model = config.model_spec.model if config.model_spec else None
+    assert isinstance(model, DeepSeekV4LM.Config) and model.dsv4().n_layers == 43
+
+
+def test_dotted_overrides_apply_on_top_of_the_recipe() -> None:
+    config = _parse(
+        "--config", "dsv4_debug", "--training.steps", "7", "--device", "cpu",
+        "--checkpoint.interval", "3",
+    )  # fmt: skip
+    assert (config.training.steps, config.device, config.checkpoint.interval) == (7, "cpu", 3)
+    assert config.training.seq_len == CONFIGS["dsv4_debug"]().training.seq_len
+
+
+def test_a_bad_override_is_rejected_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        _parse("--config", "dsv4_debug", "--training.stepz", "7")
+    assert exit_info.value.code == 2
+    assert "--training.stepz" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parse("--config", "dsv4_debug", "--device", "tpu")
