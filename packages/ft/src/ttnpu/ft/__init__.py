@@ -1,5 +1,57 @@
-"""ttnpu-ft: Replica-level fault tolerance on torchft for NPU, CUDA and CPU."""
+"""ttnpu-ft: replica-level fault tolerance on torchft for NPU, CUDA and CPU.
+
+torchft provides the Lighthouse, the Manager (quorum, heal, commit), transports and process groups;
+this package adds what they lack: an HCCL process group, in-process step recovery with per-device
+adapters, a validated state carry-over for a rejoining replica, a cross-replica commit veto,
+replica-consistent MoE counters and an embedded Lighthouse.
+"""
 
 from importlib.metadata import version
 
+from ttnpu.ft.devices import CpuAdapter, CudaAdapter, DeviceAdapter, NpuAdapter, select_adapter
+from ttnpu.ft.hccl import ProcessGroupHCCL
+from ttnpu.ft.lighthouse import EmbeddedLighthouse
+from ttnpu.ft.moe_balance import expert_counters, sum_expert_counts_across_replicas
+from ttnpu.ft.npu import NpuRuntime
+from ttnpu.ft.recovery import CollectiveTimeout, RecoveryLimitExceeded, StepRecovery
+from ttnpu.ft.replica import LRScheduler, Replica, ReplicaConfig, StepResult
+from ttnpu.ft.snapshot import ReplicaState, RestoreError, Stateful, snapshot_tree
+from ttnpu.ft.training_site import SiteCleanup, StepStateOwner, clean_training_site
+from ttnpu.ft.transport import SocketTransport
+from ttnpu.ft.veto import CommitVeto, CommitVetoed
+from ttnpu.ft.watchdog import CollectiveWatchdog, WatchdogToken
+
 __version__ = version("ttnpu-ft")
+
+__all__ = [
+    "CollectiveTimeout",
+    "CollectiveWatchdog",
+    "CommitVeto",
+    "CommitVetoed",
+    "CpuAdapter",
+    "CudaAdapter",
+    "DeviceAdapter",
+    "EmbeddedLighthouse",
+    "LRScheduler",
+    "NpuAdapter",
+    "NpuRuntime",
+    "ProcessGroupHCCL",
+    "RecoveryLimitExceeded",
+    "Replica",
+    "ReplicaConfig",
+    "ReplicaState",
+    "RestoreError",
+    "SiteCleanup",
+    "SocketTransport",
+    "Stateful",
+    "StepRecovery",
+    "StepResult",
+    "StepStateOwner",
+    "WatchdogToken",
+    "__version__",
+    "clean_training_site",
+    "expert_counters",
+    "select_adapter",
+    "snapshot_tree",
+    "sum_expert_counts_across_replicas",
+]

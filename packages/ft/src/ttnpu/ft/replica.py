@@ -1,0 +1,258 @@
+"""One replica group's view of fault-tolerant training: the package's main entry point.
+
+``Replica`` wires torchft's Manager (quorum, heal, commit) to the pieces torchft lacks: a device
+adapter with in-process recovery, a validated state carry-over, a cross-replica commit veto and
+replica-consistent MoE counters. A training loop calls ``run_step(fn)`` once per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+from torch.distributed import TCPStore
+from torch.distributed.tensor import DTensor
+from torchft import Manager
+from torchft.checkpointing.transport import CheckpointTransport
+
+from ttnpu.ft.devices import DeviceAdapter, select_adapter
+from ttnpu.ft.moe_balance import sum_expert_counts_across_replicas
+from ttnpu.ft.recovery import StepRecovery
+from ttnpu.ft.snapshot import ReplicaState, Stateful
+from ttnpu.ft.transport import SocketTransport
+from ttnpu.ft.veto import CommitVeto
+
+__all__ = ["LRScheduler", "Replica", "ReplicaConfig", "StepResult"]
+
+logger = logging.getLogger(__name__)
+
+
+class LRScheduler(Stateful, Protocol):
+    """What the replica needs of an LR scheduler: stepped only on committed steps."""
+
+    def step(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """Settings of one replica group (validated on construction)."""
+
+    replica_id: int
+    lighthouse: str | None = None  # None: TORCHFT_LIGHTHOUSE
+    min_replica_size: int = 1
+    device: str | None = None  # "cpu" | "cuda" | "npu"; None: the available accelerator, else cpu
+    collective_timeout: timedelta = timedelta(seconds=10)
+    step_timeout: timedelta | None = None  # watchdog over forward+backward; None: off
+    timeout: timedelta = timedelta(seconds=60)  # commit RPC, heal transfer
+    quorum_timeout: timedelta = timedelta(seconds=60)
+    recovery_timeout: timedelta = timedelta(seconds=60)
+    max_consecutive_recoveries: int = 3
+    group_rank: int = 0
+    group_world_size: int = 1
+    store_addr: str | None = None  # the group's TCPStore; None with one rank: started here
+    store_port: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("replica_id", self.replica_id >= 0, ">= 0"),
+            ("min_replica_size", self.min_replica_size >= 1, ">= 1"),
+            ("group_world_size", self.group_world_size >= 1, ">= 1"),
+            (
+                "group_rank",
+                0 <= self.group_rank < self.group_world_size,
+                "in [0, group_world_size)",
+            ),
+            ("max_consecutive_recoveries", self.max_consecutive_recoveries >= 0, ">= 0"),
+        ]
+        for name in ("collective_timeout", "timeout", "quorum_timeout", "recovery_timeout"):
+            checks.append((name, getattr(self, name).total_seconds() > 0, "> 0 s"))
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"ReplicaConfig.{name} must be {rule}, got {getattr(self, name)}")
+        if self.group_world_size > 1 and (self.store_addr is None or self.store_port is None):
+            raise ValueError("ReplicaConfig: a group of several ranks needs store_addr/store_port")
+
+
+@dataclass
+class StepResult:
+    committed: bool
+    step: int  # the Manager's step after the vote (committed steps so far)
+    vetoed: bool = False
+    recovered: bool = False
+    participants: int = 0
+    seconds: float = 0.0
+    output: Any = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Replica:
+    """A model + optimizer trained as one torchft replica group.
+
+    ``run_step(fn)``: quorum (and heal, applied on this thread) -> ``fn()`` (forward/backward) ->
+    gradient all-reduce across replicas -> veto vote -> ``should_commit`` -> optimizer and LR
+    scheduler step under the recovery lock. A discarded step cleans the training site; its data is
+    skipped, the LR scheduler does not move.
+    """
+
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        lr_scheduler: LRScheduler | None = None,
+        extras: Mapping[str, Stateful] | None = None,
+        adapter: DeviceAdapter | None = None,
+        checkpoint_transport: CheckpointTransport[dict[str, Any]] | None = None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.adapter = adapter if adapter is not None else select_adapter(config.device)
+        self.state = ReplicaState(model, optimizer, lr_scheduler, extras)
+        self.pg = self.adapter.process_group(config.collective_timeout, config.recovery_timeout)
+        self.recovery = StepRecovery(
+            self.adapter,
+            self.pg,
+            model,
+            (optimizer,),
+            collective_timeout=config.collective_timeout,
+            max_consecutive_recoveries=config.max_consecutive_recoveries,
+        )
+        self._store: TCPStore | None = None
+        store_addr, store_port = config.store_addr, config.store_port
+        if store_addr is None or store_port is None:
+            self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            store_addr, store_port = "localhost", self._store.port
+        self.heals = 0
+        self.last_heal_seconds = 0.0
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=self._load_snapshot,
+            state_dict=self.state.snapshot,
+            min_replica_size=config.min_replica_size,
+            use_async_quorum=False,  # heal applied at the quorum, on the training thread
+            timeout=config.timeout,
+            quorum_timeout=config.quorum_timeout,
+            connect_timeout=config.quorum_timeout,
+            rank=config.group_rank,
+            world_size=config.group_world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=config.lighthouse,
+            replica_id=f"ttnpu_ft_{config.replica_id}",
+            checkpoint_transport=checkpoint_transport or SocketTransport(config.timeout),
+        )
+        self.veto = CommitVeto(self.manager, self.adapter.device)
+        self._closed = False
+
+    def _load_snapshot(self, snapshot: Any) -> None:
+        start = time.perf_counter()
+        self.state.restore(snapshot)
+        self.heals += 1
+        self.last_heal_seconds = time.perf_counter() - start
+
+    # -- the step ----------------------------------------------------------------------------------
+    def allreduce_gradients(self) -> None:
+        """Average every gradient across the participating replicas (one all-reduce per dtype).
+
+        A parameter without a gradient contributes zeros, so all replicas send the same layout;
+        DTensor gradients reduce their local shard (every replica shards the same way).
+        """
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            by_dtype.setdefault(local.dtype, []).append(local)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def sum_expert_counts(self) -> int:
+        """Sum MoE ``tokens_per_expert`` counters across replicas (call before the bias update)."""
+        return sum_expert_counts_across_replicas(self.manager, self.model)
+
+    def run_step(self, fn: Callable[[], Any]) -> StepResult:
+        """One fault-tolerant step; ``fn`` runs forward and backward (its result is returned)."""
+        if self._closed:
+            raise RuntimeError("Replica.run_step after close()")
+        t0 = time.perf_counter()
+        timings: dict[str, float] = {}
+        self.recovery.begin_step()
+        self.manager.start_quorum()
+        self.optimizer.zero_grad(set_to_none=True)
+        timings["quorum"] = time.perf_counter() - t0
+        output = None
+        try:
+            output = self.recovery.guard("forward_backward", fn, self.config.step_timeout)
+            t1 = time.perf_counter()
+            self.recovery.guard("allreduce_gradients", self.allreduce_gradients)
+            timings["allreduce"] = time.perf_counter() - t1
+        except Exception as error:
+            if not self.recovery.is_recoverable(error):
+                raise
+            self.recovery.recover(error)
+            self.manager.report_error(error)
+            committed = self.manager.should_commit()
+            assert not committed, "a recovered step must not commit"
+            return StepResult(
+                committed=False,
+                step=self.manager.current_step(),
+                recovered=True,
+                seconds=time.perf_counter() - t0,
+                timings=timings,
+            )
+        return self._commit(output, t0, timings)
+
+    def _commit(self, output: Any, t0: float, timings: dict[str, float]) -> StepResult:
+        t1 = time.perf_counter()
+        vetoed = self.veto.vote()
+        participants = self.manager.num_participants()
+        committed = self.manager.should_commit()
+        timings["vote_commit"] = time.perf_counter() - t1
+        if committed:
+            self.recovery.apply_update(self._update)
+        else:
+            self.recovery.discard()
+        return StepResult(
+            committed=committed,
+            step=self.manager.current_step(),
+            vetoed=vetoed,
+            participants=participants,
+            seconds=time.perf_counter() - t0,
+            output=output,
+            timings=timings,
+        )
+
+    def _update(self) -> None:
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def close(self) -> None:
+        """Shut down the Manager (server, transport, executor), the process group and the store."""
+        if self._closed:
+            return
+        self._closed = True
+        self.manager.shutdown(wait=False)
+        self.pg.shutdown()
+        self._store = None
+
+    def __enter__(self) -> Replica:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,162 @@
+"""Replica on CPU/gloo with a real Lighthouse; replica groups as threads (each with its store)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+from ttnpu.ft import (
+    CpuAdapter,
+    EmbeddedLighthouse,
+    RecoveryLimitExceeded,
+    Replica,
+    ReplicaConfig,
+    select_adapter,
+)
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[EmbeddedLighthouse]:
+    with EmbeddedLighthouse(
+        min_replicas=2, join_timeout_ms=10_000, heartbeat_timeout_ms=1000
+    ) as lh:
+        yield lh
+
+
+def make_replica(replica_id: int, address: str, make_model: Any, **kw: Any) -> Replica:
+    model = make_model(0)
+    config = ReplicaConfig(
+        replica_id=replica_id,
+        lighthouse=address,
+        device="cpu",
+        collective_timeout=timedelta(seconds=5),
+        timeout=timedelta(seconds=10),
+        quorum_timeout=timedelta(seconds=10),
+        **kw,
+    )
+    return Replica(config, model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def in_parallel(fns: list[Callable[[], Any]]) -> list[Any]:
+    with ThreadPoolExecutor(len(fns)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
+
+
+def test_two_replicas_veto_and_sum_moe_counters(
+    lighthouse: EmbeddedLighthouse, make_model: Any
+) -> None:
+    replicas = in_parallel(
+        [lambda i=i: make_replica(i, lighthouse.address, make_model) for i in range(2)]
+    )
+    try:
+
+        def train(r: Replica, seed: int, veto_at: int) -> list[Any]:
+            gen = torch.Generator().manual_seed(seed)
+            results = []
+            for step in range(3):
+
+                def fn(step: int = step) -> None:
+                    r.model(torch.randn(4, 8, generator=gen)).sum().backward()
+                    if step == veto_at:
+                        r.veto.raise_flag("nan in loss")
+                    counters = [m.tokens_per_expert.clone() for m in (r.model[1], r.model[2])]
+                    r.sum_expert_counts()
+                    results.append(
+                        (counters, [m.tokens_per_expert.clone() for m in (r.model[1], r.model[2])])
+                    )
+
+                res = r.run_step(fn)
+                results.append(res)
+            return results
+
+        out = in_parallel(
+            [lambda: train(replicas[0], 1, veto_at=1), lambda: train(replicas[1], 2, veto_at=-1)]
+        )
+        for results in out:
+            steps = [r for r in results if not isinstance(r, tuple)]
+            assert [s.committed for s in steps] == [True, False, True]
+            assert [s.vetoed for s in steps] == [False, True, False]
+            assert all(s.participants == 2 for s in steps)
+            # every counter became the sum of both replicas' counters
+            for local, summed in [r for r in results if isinstance(r, tuple)]:
+                assert all(torch.equal(s, 2 * c) for c, s in zip(local, summed, strict=True))
+        for a, b in zip(
+            replicas[0].model.parameters(), replicas[1].model.parameters(), strict=True
+        ):
+            assert torch.equal(a, b)
+        assert replicas[0].manager.current_step() == replicas[1].manager.current_step() == 2
+    finally:
+        for r in replicas:
+            r.close()
+
+
+def test_recoverable_failures_discard_the_step_until_the_limit(make_model: Any) -> None:
+    with EmbeddedLighthouse(min_replicas=1) as lh:
+        replica = make_replica(0, lh.address, make_model, max_consecutive_recoveries=2)
+        try:
+            weights = [p.detach().clone() for p in replica.model.parameters()]
+
+            def fails() -> None:
+                replica.model(torch.randn(2, 8)).sum().backward()
+                raise RuntimeError("HCCL: FORCE STOP")
+
+            for _ in range(2):
+                result = replica.run_step(fails)
+                assert result.recovered and not result.committed and result.step == 0
+                assert all(p.grad is None for p in replica.model.parameters())
+                assert not replica.model[1].tokens_per_expert.any()
+            assert all(
+                torch.equal(w, p) for w, p in zip(weights, replica.model.parameters(), strict=True)
+            )
+            with pytest.raises(RecoveryLimitExceeded):
+                replica.run_step(fails)
+            with pytest.raises(ValueError, match="a bug"):
+                replica.run_step(lambda: (_ for _ in ()).throw(ValueError("a bug")))
+        finally:
+            replica.close()
+            replica.close()  # idempotent
+        with pytest.raises(RuntimeError, match="after close"):
+            replica.run_step(lambda: None)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"replica_id": -1}, "replica_id must be >= 0"),
+        ({"min_replica_size": 0}, "min_replica_size must be >= 1"),
+        (
+            {"group_rank": 2, "group_world_size": 2},
+            r"group_rank must be in \[0, group_world_size\)",
+        ),
+        ({"collective_timeout": timedelta(0)}, "collective_timeout must be > 0 s"),
+        ({"group_world_size": 2}, "needs store_addr/store_port"),
+    ],
+)
+def test_config_errors_name_the_field(kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ReplicaConfig(**{"replica_id": 0, **kw})
+
+
+def test_adapter_selection() -> None:
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert select_adapter().kind == expected  # never current_accelerator() alone
+    assert isinstance(select_adapter("cpu"), CpuAdapter)
+    with pytest.raises(ValueError, match="device must be one of"):
+        select_adapter("tpu")
+
+
+def test_lighthouse_lifecycle() -> None:
+    lh = EmbeddedLighthouse(min_replicas=1)
+    assert lh.address.startswith("http://") and lh.running
+    lh.close()
+    lh.close()
+    assert not lh.running
+    with pytest.raises(ValueError, match="heartbeat_timeout_ms must be >= 1"):
+        EmbeddedLighthouse(heartbeat_timeout_ms=0)
+    assert threading.active_count() >= 1

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ttnpu.ft import CollectiveWatchdog, WatchdogToken
+
+
+def test_live_timer_fires_once_with_its_token() -> None:
+    fired: list[WatchdogToken] = []
+    done = threading.Event()
+    dog = CollectiveWatchdog(0.05, lambda t: (fired.append(t), done.set()))
+    token = dog.arm("allreduce")
+    assert done.wait(2)
+    assert fired == [token] and dog.fired == [token]
+
+
+def test_disarmed_timer_never_fires() -> None:
+    fired: list[WatchdogToken] = []
+    dog = CollectiveWatchdog(0.05, fired.append)
+    dog.disarm(dog.arm("allreduce"))
+    time.sleep(0.2)
+    assert fired == []
+
+
+def test_timer_of_an_old_generation_cannot_stop_the_new_step() -> None:
+    """A late expiry (its thread delayed past the next step's start) is ignored, not acted on."""
+    fired: list[WatchdogToken] = []
+    dog = CollectiveWatchdog(10.0, fired.append)
+    old = dog.arm("step 1 allreduce")
+    dog.new_generation()
+    new = dog.arm("step 2 allreduce", timeout_s=10.0)
+    dog._expire(old)  # what the old timer thread would do if it ran late
+    assert fired == [] and dog.stale_expiries == 1
+    dog._expire(new)
+    assert fired == [new]
+
+
+def test_expiry_waits_for_the_lock_held_by_an_update() -> None:
+    """The optimizer update holds the lock; it retires the step's timers before releasing it."""
+    fired: list[WatchdogToken] = []
+    dog = CollectiveWatchdog(0.05, fired.append)
+    with dog.lock:
+        dog.arm("allreduce")
+        time.sleep(0.2)  # the timer thread expires and blocks on the lock
+        dog.new_generation()
+    time.sleep(0.1)
+    assert fired == [] and dog.stale_expiries == 1
+
+
+def test_bad_timeout_is_refused() -> None:
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        CollectiveWatchdog(0, lambda t: None)
