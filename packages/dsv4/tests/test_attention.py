@@ -31,11 +31,11 @@ def test_changing_token_j_never_changes_earlier_outputs(
     attn = _attention(tiny, ratio)
     rope = _rope(tiny, seq_len)
     x = torch.randn(1, seq_len, tiny.dim)
-    base = attn(x, rope)
+    base = attn(x, rope)[0]
     for j in range(0, seq_len, 3):
         x2 = x.clone()
         x2[:, j] += torch.randn(tiny.dim)
-        out = attn(x2, rope)
+        out = attn(x2, rope)[0]
         assert torch.equal(out[:, :j], base[:, :j]), f"position < {j} changed"
         assert not torch.allclose(out[:, j], base[:, j])
 
@@ -49,13 +49,13 @@ def test_csa_with_topk_covering_every_entry_equals_dense_compressed_attention(
     rope = _rope(tiny, seq_len)
     x = torch.randn(2, seq_len, tiny.dim)
     attn.indexer.topk = 7
-    with_indexer = attn(x, rope)
+    with_indexer = attn(x, rope)[0]
     indexer, attn.indexer = attn.indexer, None  # dense: every visible entry, as in HCA
-    dense = attn(x, rope)
+    dense = attn(x, rope)[0]
     torch.testing.assert_close(with_indexer, dense, atol=1e-6, rtol=1e-5)
     attn.indexer = indexer
     indexer.topk = 3
-    assert not torch.allclose(attn(x, rope), dense)
+    assert not torch.allclose(attn(x, rope)[0], dense)
 
 
 def test_indexer_selects_top_k_of_the_visible_entries_only(tiny: DeepSeekV4Config) -> None:
@@ -77,7 +77,9 @@ def test_window_sees_exactly_min_t_plus_1_and_window_tokens(tiny: DeepSeekV4Conf
     x = torch.randn(1, seq_len, tiny.dim)
     x2 = x.clone()
     x2[:, j] += 1.0
-    changed = (attn(x, _rope(tiny, seq_len)) - attn(x2, _rope(tiny, seq_len))).abs().amax(-1)[0]
+    changed = (
+        (attn(x, _rope(tiny, seq_len))[0] - attn(x2, _rope(tiny, seq_len))[0]).abs().amax(-1)[0]
+    )
     assert (changed > 0).nonzero().flatten().tolist() == list(range(j, j + tiny.window_size))
 
 
@@ -97,7 +99,7 @@ def test_sink_absorbs_probability_mass(tiny: DeepSeekV4Config) -> None:
     x = torch.randn(1, 12, tiny.dim)
     with torch.no_grad():
         attn.attn_sink.fill_(-float("inf"))
-        no_sink = attn(x, rope)
+        no_sink = attn(x, rope)[0]
         attn.attn_sink.fill_(50.0)  # the sink takes (almost) all the mass: zero value
-        full_sink = attn(x, rope)
+        full_sink = attn(x, rope)[0]
     assert no_sink.abs().mean() > 1e3 * full_sink.abs().mean()

@@ -47,3 +47,10 @@ def test_bad_input_is_named() -> None:
     del hf["hidden_size"]
     with pytest.raises(ValueError, match="hidden_size"):
         DeepSeekV4Config.from_hf_config(hf)
+
+
+def test_bad_indexer_settings_are_named() -> None:
+    with pytest.raises(ValueError, match="indexer_stage must be 'dense' or 'sparse', got 'warm'"):
+        DeepSeekV4Config(indexer_stage="warm")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="indexer_loss_weight"):
+        DeepSeekV4Config(indexer_loss_weight=-1.0)

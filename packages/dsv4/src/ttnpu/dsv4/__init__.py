@@ -11,7 +11,7 @@ from .checkpoint import (
     to_official,
 )
 from .config import DeepSeekV4Config
-from .model import DeepSeekV4
+from .model import DeepSeekV4, LossTerms
 from .moe import MoE, Router, update_expert_bias
 
 __version__ = version("ttnpu-dsv4")
@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointError",
     "DeepSeekV4",
     "DeepSeekV4Config",
+    "LossTerms",
     "MoE",
     "Router",
     "__version__",

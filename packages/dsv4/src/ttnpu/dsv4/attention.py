@@ -4,7 +4,9 @@ learned sink, grouped output projection; the sliding window plus, per layer, com
 
 Training-time formulation: one softmax per query over its window keys (a banded view of the
 sequence, ``t - window < j <= t``), the compressed entries masked by visibility (and indexer
-selection), and the sink, one more logit with a zero value.
+selection), and the sink, one more logit with a zero value. On CSA layers the forward also returns
+the indexer's distillation loss against this softmax's mass on the compressed entries; with
+``indexer_stage="dense"`` (warm-up) every visible entry is read instead of the indexer's top-k.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .compressor import Compressor, Indexer, visible_entries
+from .compressor import Compressor, Indexer, indexer_kl, visible_entries
 from .config import DeepSeekV4Config
 from .norms import RMSNorm, rms_normalize
 from .rope import RopeTable, apply_rope
@@ -54,6 +56,7 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(c.n_heads, dtype=torch.float32))
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
+        self.dense_indexer_warmup = c.indexer_stage == "dense"
         if ratio:
             csa = config.is_csa(ratio)
             self.compressor = Compressor(c.dim, c.head_dim, ratio, overlap=csa, eps=c.norm_eps)
@@ -68,7 +71,8 @@ class Attention(nn.Module):
                     c.norm_eps,
                 )
 
-    def forward(self, x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTable) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, S, dim] -> (output [B, S, dim], the indexer's KL on CSA layers, else None)."""
         batch, seq_len, _ = x.shape
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(batch, seq_len, self.n_heads, self.head_dim)
@@ -80,13 +84,14 @@ class Attention(nn.Module):
         window = _windows(kv, self.window)  # [B, S, D, W]; slot w holds key t - W + 1 + w
         scores = [torch.matmul(q, window)]
         masks = [window_mask(seq_len, self.window, x.device).unsqueeze(1)]
-        entries = None
+        entries = index = None
         if self.compressor is not None:
             entries = self.compressor(x, rope)
+            reads = visible_entries(seq_len, entries.shape[1], self.ratio, x.device)
             if self.indexer is not None:
-                reads = self.indexer(x, qr, rope)
-            else:
-                reads = visible_entries(seq_len, entries.shape[1], self.ratio, x.device)
+                index = self.indexer.scores(x, qr, rope)
+                if not self.dense_indexer_warmup:
+                    reads = self.indexer.select(index)
             flat_q = q.reshape(batch, seq_len * self.n_heads, -1)
             scores.append(torch.bmm(flat_q, entries.transpose(1, 2)).view(*q.shape[:3], -1))
             masks.append(reads.unsqueeze(-2))
@@ -95,7 +100,11 @@ class Attention(nn.Module):
             for score, mask in zip(scores, masks, strict=True)
         ]
         sink = self.attn_sink.to(q.dtype).view(1, 1, -1, 1).expand(*q.shape[:3], 1)
-        probs = torch.softmax(torch.cat((*logits, sink), dim=-1), dim=-1).to(kv.dtype)
+        probs = torch.softmax(torch.cat((*logits, sink), dim=-1), dim=-1)
+        indexer_loss = None
+        if index is not None:
+            indexer_loss = indexer_kl(index, probs[..., self.window : -1].sum(dim=-2), reads)
+        probs = probs.to(kv.dtype)
         out = torch.matmul(probs[..., : self.window], window.transpose(-1, -2))
         if entries is not None:
             entry_probs = probs[..., self.window : -1].reshape(batch, seq_len * self.n_heads, -1)
@@ -105,7 +114,7 @@ class Attention(nn.Module):
         grouped = out.reshape(batch, seq_len, self.o_groups, -1)
         wo_a = self.wo_a.weight.view(self.o_groups, -1, grouped.shape[-1])
         mixed = torch.einsum("bsgd,grd->bsgr", grouped, wo_a)
-        return self.wo_b(mixed.flatten(2))
+        return self.wo_b(mixed.flatten(2)), indexer_loss
 
     def reset_parameters(self, std: float) -> None:
         for linear in (self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b):

@@ -4,8 +4,8 @@ weights, measured side by side (interleaved repetitions) in one run; prints one 
     python -m ttnpu.dsv4.bench [--flavors debug small] [--seq-len 256] [--batch 1] [--repeats 5]
 
 Both sides compute the main-head next-token cross-entropy (transformers has no MTP); ours with
-MTP and the balance loss is reported as well. transformers is optional: without it only our
-figures are printed.
+MTP, the balance and the indexer losses is reported as well. transformers is optional: without it
+only our figures are printed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,15 @@
-"""KV compressors (CSA overlapping, HCA non-overlapping) and the lightning indexer of CSA.
+"""KV compressors (CSA overlapping, HCA non-overlapping), the lightning indexer of CSA and its
+distillation loss.
 
 A compressor turns every complete block of ``ratio`` tokens into one entry: a per-channel softmax
 over the block's gate logits (plus a learned position bias ``ape``) weights the block's projected
 kv. With ``overlap`` (CSA, ratio 4) each entry also reads the previous block through the first half
 of the 2c-wide projections, giving windows of 2m tokens at stride m. Entry s gets RoPE at s * m and
 is visible to query t iff ``s < (t + 1) // m`` (see :func:`visible_entries`).
+
+Top-k is not differentiable and the indexer's inputs are detached, so the indexer learns only from
+:func:`indexer_kl` (DSA / V3.2 distillation towards the main attention), and that loss never
+reaches the main model.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from torch import nn
 from .norms import RMSNorm
 from .rope import RopeTable, apply_rope
 
-__all__ = ["Compressor", "Indexer", "visible_entries"]
+__all__ = ["Compressor", "Indexer", "indexer_kl", "visible_entries"]
 
 
 def visible_entries(seq_len: int, n_entries: int, ratio: int, device: torch.device) -> torch.Tensor:
@@ -68,7 +73,7 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer: ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s])``; keeps the top-k
     visible entries per query. Its inputs are detached: top-k gives the LM loss no gradient path,
-    and an indexer objective (not part of this package yet) must not train the main model."""
+    and its own objective (:func:`indexer_kl`) must not train the main model."""
 
     def __init__(
         self,
@@ -102,7 +107,10 @@ class Indexer(nn.Module):
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rope: RopeTable) -> torch.Tensor:
         """Bool [B, S, N]: the entries each query reads (top-k among its visible ones)."""
-        index = self.scores(x, qr, rope)
+        return self.select(self.scores(x, qr, rope))
+
+    def select(self, index: torch.Tensor) -> torch.Tensor:
+        """Bool [B, S, N]: the top-k finite entries of each row of :meth:`scores`."""
         n = index.shape[-1]
         selected = torch.zeros_like(index, dtype=torch.bool)
         if n:
@@ -114,3 +122,23 @@ class Indexer(nn.Module):
         nn.init.normal_(self.wq_b.weight, std=std)
         nn.init.normal_(self.weights_proj.weight, std=std)
         self.compressor.reset_parameters(std)
+
+
+def indexer_kl(
+    index: torch.Tensor, attention_mass: torch.Tensor, reads: torch.Tensor
+) -> torch.Tensor:
+    """``KL(p_t || softmax(I_t))`` over the entries query t ``reads``, averaged over the queries
+    that read at least one entry (a mean, so the weight does not depend on batch or length).
+
+    ``index`` [B, S, N] are the indexer scores (the only input with a gradient); ``attention_mass``
+    [B, S, N] is the main attention's probability on each compressed entry summed over heads; its
+    restriction to ``reads`` (bool, broadcastable), L1-normalised and detached, is the target p.
+    """
+    reads = reads.expand(index.shape)
+    target = attention_mass.detach().float().masked_fill(~reads, 0.0)
+    target = target / target.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    # Finite fill, not -inf: a row without entries stays finite (and is left out of the mean).
+    logits = index.float().masked_fill(~reads, torch.finfo(torch.float32).min)
+    kl = (torch.xlogy(target, target) - target * logits.log_softmax(dim=-1)).sum(dim=-1)
+    rows = reads.any(dim=-1)
+    return (kl * rows).sum() / rows.sum().clamp_min(1)

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["DeepSeekV4Config"]
+__all__ = ["DeepSeekV4Config", "IndexerStage"]
+
+# Lightning-indexer training stage: "dense" warm-up (CSA reads every visible compressed entry, the
+# KL covers all of them, only the indexer trains) or "sparse" (top-k reads, KL on the selection).
+IndexerStage = Literal["dense", "sparse"]
 
 # The overlapping compressor plus lightning indexer is built exactly for this ratio (official rule).
 CSA_RATIO = 4
@@ -55,6 +59,8 @@ class DeepSeekV4Config:
     n_mtp_layers: int = 1
     mtp_loss_weight: float = 0.3
     balance_loss_coef: float = 1e-4
+    indexer_stage: IndexerStage = "sparse"
+    indexer_loss_weight: float = 1.0
     init_std: float = 0.02
     hc_init_scale: float = 0.01
     hash_seed: int = 0
@@ -79,6 +85,11 @@ class DeepSeekV4Config:
             (self.hc_mult >= 1 and self.hc_sinkhorn_iters >= 1, "hc_mult, iters must be >= 1"),
             (self.window_size >= 1, "window_size must be >= 1"),
             (self.n_mtp_layers in (0, 1), "n_mtp_layers must be 0 or 1 (MTP depth 1)"),
+            (
+                self.indexer_stage in ("dense", "sparse"),
+                f"indexer_stage must be 'dense' or 'sparse', got {self.indexer_stage!r}",
+            ),
+            (self.indexer_loss_weight >= 0, "indexer_loss_weight must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -3,7 +3,7 @@ sites, hc_head collapse, final norm and head; plus the depth-1 multi-token-predi
 
 from __future__ import annotations
 
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +16,20 @@ from .moe import MoE, Router
 from .norms import RMSNorm
 from .rope import RopeTable, rope_frequencies
 
-__all__ = ["Block", "DeepSeekV4", "MTPBlock"]
+__all__ = ["Block", "DeepSeekV4", "LossTerms", "MTPBlock"]
 
 IGNORE_INDEX = -100
+
+
+class LossTerms(NamedTuple):
+    """``DeepSeekV4.losses``: ``total`` (what ``loss`` returns) and its unweighted parts; a part
+    the model does not have is a zero. A NamedTuple, so FSDP2 sees the tensors in it."""
+
+    total: torch.Tensor
+    lm: torch.Tensor  # main-head next-token CE
+    mtp: torch.Tensor  # MTP CE (mean over MTP blocks)
+    balance: torch.Tensor  # summed sequence balance losses of the learned-gate MoE layers
+    indexer: torch.Tensor  # summed lightning-indexer KL losses of the CSA layers
 
 
 def _hc_site_params(n: int, dim: int) -> tuple[nn.Parameter, nn.Parameter, nn.Parameter]:
@@ -54,14 +65,16 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rope: RopeTable, token_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Streams [B, S, n, dim] -> (new streams, this MoE's balance loss or None if hashed).
-        The loss is returned, not collected through an argument: FSDP may copy arguments."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Streams [B, S, n, dim] -> (new streams, this MoE's balance loss or None if hashed, the
+        indexer loss or None if not CSA). The losses are returned, not collected through an
+        argument: FSDP may copy arguments."""
         u, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        x = hc_post(self.attn(self.attn_norm(u), rope), x, post, comb)
+        out, indexer_loss = self.attn(self.attn_norm(u), rope)
+        x = hc_post(out, x, post, comb)
         u, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
         y, balance = self.ffn(self.ffn_norm(u), token_ids)
-        return hc_post(y, x, post, comb), balance
+        return hc_post(y, x, post, comb), balance, indexer_loss
 
     def _pre(
         self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
@@ -111,7 +124,7 @@ class MTPBlock(Block):
         """(The normalised hidden state [B, S, dim] the shared head turns into MTP logits, the
         block's balance loss)."""
         x = self.e_proj(self.enorm(next_embedding)).unsqueeze(-2) + self.h_proj(self.hnorm(streams))
-        x, balance = self.forward(x, rope, token_ids)
+        x, balance, _ = self.forward(x, rope, token_ids)  # sliding window: no indexer
         collapsed = hc_head(
             x,
             self.hc_head_fn,
@@ -204,21 +217,25 @@ class DeepSeekV4(nn.Module):
             RopeTable.build(self.compress_inv_freq, seq_len, device),
         )
 
-    def body(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The n-stream state [B, S, n, dim] after the last main block, and the learned-gate
-        layers' balance losses."""
+    def body(
+        self, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """The n-stream state [B, S, n, dim] after the last main block, the learned-gate layers'
+        balance losses and the CSA layers' indexer losses."""
         if tokens.dim() != 2 or tokens.dtype != torch.long:
             raise ValueError(
                 f"tokens must be a LongTensor [B, S], got {tokens.dtype} {list(tokens.shape)}"
             )
         main, compress = self._rope_tables(tokens.shape[1], tokens.device)
         x = self.embed(tokens).unsqueeze(-2).expand(-1, -1, self.config.hc_mult, -1)
-        balances = []
+        balances, indexer_losses = [], []
         for block in self.layers:
-            x, balance = block(x, compress if block.ratio else main, tokens)
+            x, balance, indexer_loss = block(x, compress if block.ratio else main, tokens)
             if balance is not None:
                 balances.append(balance)
-        return x, balances
+            if indexer_loss is not None:
+                indexer_losses.append(indexer_loss)
+        return x, balances, indexer_losses
 
     def _logits(self, streams: torch.Tensor) -> torch.Tensor:
         collapsed = hc_head(
@@ -236,16 +253,30 @@ class DeepSeekV4(nn.Module):
         return self._logits(self.body(tokens)[0])
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The training loss: ``losses(tokens, labels).total``."""
+        return self._loss_terms(tokens, labels).total
+
+    def losses(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
+        """The training loss and its parts (for logging), from one forward. Both ``loss`` and
+        this call ``_loss_terms`` (not each other), so each can be an FSDP forward method."""
+        return self._loss_terms(tokens, labels)
+
+    def _loss_terms(self, tokens: torch.Tensor, labels: torch.Tensor) -> LossTerms:
         """Next-token CE + ``mtp_loss_weight`` x MTP CE + ``balance_loss_coef`` x the summed
-        sequence balance losses. ``labels[b, i]`` is the target of position i (-100 = ignore)."""
+        sequence balance losses + ``indexer_loss_weight`` x the summed indexer KL losses.
+        ``labels[b, i]`` is the target of position i (-100 = ignore). The indexer loss reaches
+        only the indexers (their inputs and target are detached); in the dense warm-up stage
+        the other terms are detached, so only the indexers train."""
         if labels.shape != tokens.shape:
             raise ValueError(f"labels {list(labels.shape)} must match tokens {list(tokens.shape)}")
         c = self.config
-        streams, balances = self.body(tokens)
+        streams, balances, indexer_losses = self.body(tokens)
         logits = self._logits(streams)
-        loss = F.cross_entropy(
+        lm = F.cross_entropy(
             logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX
         )
+        zero = lm.new_zeros(())
+        mtp = zero
         if self.mtp and tokens.shape[1] > 1:
             main_rope, _ = self._rope_tables(tokens.shape[1], tokens.device)
             # Position i sees t_{i+1} (= labels[i]) and predicts t_{i+2} (= labels[i+1]).
@@ -255,12 +286,22 @@ class DeepSeekV4(nn.Module):
                 hidden, balance = block.predict(streams, next_embedding, main_rope, tokens)
                 balances += [] if balance is None else [balance]
                 mtp_logits = self.head.forward(hidden)
-                loss = loss + c.mtp_loss_weight * F.cross_entropy(
+                mtp = mtp + F.cross_entropy(
                     mtp_logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX
                 ) / len(self.mtp)
+        balance = torch.stack(balances).sum() if balances else zero
+        indexer = torch.stack(indexer_losses).sum() if indexer_losses else zero
+        model_loss = lm
+        if self.mtp and tokens.shape[1] > 1:
+            model_loss = model_loss + c.mtp_loss_weight * mtp
         if balances and c.balance_loss_coef:
-            loss = loss + c.balance_loss_coef * torch.stack(balances).sum()
-        return loss
+            model_loss = model_loss + c.balance_loss_coef * balance
+        if c.indexer_stage == "dense":
+            model_loss = model_loss.detach()
+        total = model_loss
+        if indexer_losses and c.indexer_loss_weight:
+            total = total + c.indexer_loss_weight * indexer
+        return LossTerms(total, lm, mtp, balance, indexer)
 
     def routers(self) -> list[Router]:
         """The learned-gate routers (main layers, then MTP), as found by ``named_modules``."""

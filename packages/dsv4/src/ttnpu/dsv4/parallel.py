@@ -105,3 +105,4 @@ def apply_fsdp(model: DeepSeekV4, mesh: DeviceMesh) -> None:
         register_fsdp_forward_method(mtp, "predict")
     fully_shard(model, mesh=mesh, ignored_params=experts)
     register_fsdp_forward_method(model, "loss")
+    register_fsdp_forward_method(model, "losses")
