@@ -3,9 +3,10 @@
 torchtitan builds a model from a ``BaseModel.Config`` on the meta device, materialises it with
 ``to_empty`` and initialises it with ``init_weights``. :class:`DeepSeekV4LM` is that module: it
 holds one plain-PyTorch :class:`ttnpu.dsv4.DeepSeekV4` and forwards to it. Called with ``labels``
-it returns the model's full training loss (next-token CE + MTP + balance losses), because only
-the model knows those terms; the trainer (:mod:`ttnpu.trainer.trainer`) calls it that way,
-through ``__call__``, so that module hooks (FSDP, SDC checks, route capture) see the forward.
+it returns the model's full training loss (next-token CE + MTP, balance and indexer losses),
+because only the model knows those terms; the trainer (:mod:`ttnpu.trainer.trainer`) calls it
+that way, through ``__call__``, so that module hooks (FSDP, SDC checks, route capture) see
+the forward.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ __all__ = ["DSV4Trainer"]
 class DSV4Trainer(Trainer):
     """torchtitan's Trainer with three changes: the device comes from
     :mod:`ttnpu.trainer.platform` (cpu/gloo when there is no accelerator); the loss is the
-    model's own (``model(tokens, labels=labels)``: next-token CE + MTP + balance losses) instead
-    of a cross-entropy on the logits; optimizer state exists for every parameter from the start,
-    so checkpoints restore."""
+    model's own (``model(tokens, labels=labels)``: next-token CE + MTP, balance and indexer
+    losses) instead of a cross-entropy on the logits; optimizer state exists for every
+    parameter from the start, so checkpoints restore."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
