@@ -1,0 +1,264 @@
+"""Step-time overhead of each detector on a small transformer-style model, side by side.
+
+``python -m ttnpu.sdc.bench`` prints one JSON line. One bf16 model (attention, MLP and a top-1
+MoE layer whose experts run as ``torch._grouped_mm``; ``--dtype float32`` drops the MoE layer, as
+grouped mm takes bf16 only) is trained with SGD in every variant, interleaved step by step; the
+compiled pass checks the model's dtype. Steps are timed in process CPU
+time (all threads of this process, gloo's included), which other processes on a shared machine do
+not inflate, and each variant keeps its fastest round (interference only adds time). Each figure
+is that time divided by the one of its baseline (eager, or compiled without the pass):
+
+* ``eager_checksums``: :class:`ChecksumMode` over every matmul, forward and backward;
+* ``compiled_checksums``: the Inductor pass with checks on; ``compiled_checks_off`` with the
+  pass compiled in but switched off (the cost while escalation is idle);
+* ``gradient_detection``: :class:`GradientDetector` at every step (sampling interval 3);
+* ``comm_checks``: gradients all-reduced through :class:`CollectiveChecker` instead of plain
+  ``all_reduce`` on a one-rank gloo group (checksum work and the extra small collective).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import CollectiveChecker
+from .compiled import checksum_compile_options, compiled_stats
+from .config import SDCConfig
+from .eager import ChecksumMode
+from .events import Reporter, VetoFlag, set_default_reporter
+from .gradient import GradientDetector
+from .switch import checksum_switch
+
+__all__ = ["main"]
+
+
+class _MoE(nn.Module):
+    """Top-1 routed experts run as one grouped matmul per projection."""
+
+    def __init__(self, dim: int, experts: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, dim, 2 * dim) / dim**0.5)
+        self.down = nn.Parameter(torch.randn(experts, 2 * dim, dim) / (2 * dim) ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(0, 1)
+        probs = torch.softmax(self.router(flat).float(), -1)
+        gate, expert = probs.max(-1)
+        order = expert.argsort()
+        counts = nn.functional.one_hot(expert, self.up.shape[0]).sum(0)
+        offs = counts.cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(flat[order], self.up, offs=offs)
+        out = torch._grouped_mm(nn.functional.gelu(h), self.down, offs=offs)
+        out = torch.empty_like(out).index_copy(0, order, out) * gate.to(out.dtype).unsqueeze(-1)
+        return out.view_as(x)
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int, experts: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.moe = _MoE(dim, experts) if experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        scores = (q @ k.transpose(-1, -2)) / (d // self.heads) ** 0.5
+        attn = (torch.softmax(scores.float(), -1).to(x.dtype) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(attn)
+        x = x + self.mlp(x)
+        return x if self.moe is None else x + self.moe(x)
+
+
+def _model(dim: int, layers: int, vocab: int, dtype: torch.dtype) -> nn.Module:
+    # torch._grouped_mm takes bf16 (and fp16 on some devices) only: MoE layers in bf16 models.
+    experts = 4 if dtype == torch.bfloat16 else 0
+    blocks = [_Block(dim, 4, experts) for _ in range(layers)]
+    return nn.Sequential(nn.Embedding(vocab, dim), *blocks, nn.Linear(dim, vocab)).to(dtype)
+
+
+Step = Callable[[], None]
+
+
+def _stepper(
+    model: nn.Module,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    tokens: torch.Tensor,
+    after_backward: Callable[[], None] | None = None,
+) -> Step:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        logits = fn(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    return step
+
+
+@contextlib.contextmanager
+def _one_rank_group() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _time(
+    step: Step, steps: int, context: Callable[[], contextlib.AbstractContextManager[Any]]
+) -> float:
+    with context():
+        start = time.process_time()
+        for _ in range(steps):
+            step()
+        return (time.process_time() - start) / steps
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    base = _model(args.dim, args.layers, args.vocab, dtype)
+    tokens = torch.randint(args.vocab, (args.batch, args.seq + 1))
+    flag = VetoFlag()
+    reporter = Reporter([flag])
+    none = contextlib.nullcontext
+
+    def variant(
+        after: Callable[[nn.Module], Callable[[], None] | None] | None = None,
+        compiled: bool = False,
+        options: dict[str, Any] | None = None,
+    ) -> Step:
+        model = copy.deepcopy(base)
+        fn = torch.compile(model, options=options) if compiled else model
+        return _stepper(model, fn, tokens, after(model) if after else None)
+
+    def plain_allreduce(model: nn.Module) -> Callable[[], None]:
+        def reduce() -> None:
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+
+        return reduce
+
+    def checked_allreduce(model: nn.Module) -> Callable[[], None]:
+        checker = CollectiveChecker(reporter=reporter)
+
+        def reduce() -> None:
+            for p in model.parameters():
+                if p.grad is not None:
+                    checker.all_reduce(p.grad)
+
+        return reduce
+
+    def gradient(model: nn.Module) -> Callable[[], None]:
+        det = GradientDetector(model.named_parameters(), SDCConfig(), reporter=reporter)
+
+        def detect() -> None:
+            det.after_backward()
+
+        return detect
+
+    eager_mode = ChecksumMode(reporter=reporter)
+    set_default_reporter(reporter)  # the compiled checks report through the default reporter
+    with _one_rank_group():
+        pass_step = variant(compiled=True, options=checksum_compile_options(dtypes=(dtype,)))
+        variants: dict[str, tuple[Step, Callable[[], contextlib.AbstractContextManager[Any]]]] = {
+            "eager": (variant(), none),
+            "eager_checksums": (variant(), lambda: eager_mode),
+            "gradient_detection": (variant(gradient), none),
+            "allreduce": (variant(plain_allreduce), none),
+            "allreduce_checked": (variant(checked_allreduce), none),
+            "compiled": (variant(compiled=True), none),
+            "compiled_checksums": (pass_step, none),
+            "compiled_checks_off": (pass_step, none),
+        }
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for step, context in variants.values():  # warm-up and compilation
+            with context():
+                step()
+                step()
+        checks = {"eager": eager_mode.stats.checked, "compiled": compiled_stats().checked}
+        for _ in range(args.rounds):
+            for name, (step, context) in variants.items():
+                if name == "compiled_checks_off":
+                    checksum_switch.off()
+                times[name].append(_time(step, args.steps, context))
+                checksum_switch.on()
+        steps = args.rounds * args.steps
+        checks = {
+            "eager": (eager_mode.stats.checked - checks["eager"]) / steps,
+            "compiled": (compiled_stats().checked - checks["compiled"]) / steps,
+        }
+    med = {name: min(t) for name, t in times.items()}
+
+    def ratio(name: str, baseline: str) -> float:
+        return round(med[name] / med[baseline], 4)
+
+    return {
+        "bench": "ttnpu.sdc",
+        "model": {
+            "dim": args.dim,
+            "layers": args.layers,
+            "seq": args.seq,
+            "batch": args.batch,
+            "dtype": args.dtype,
+            "experts": 4 if dtype == torch.bfloat16 else 0,
+        },
+        "step_cpu_ms": {name: round(1e3 * t, 2) for name, t in med.items()},
+        "eager_checksums": ratio("eager_checksums", "eager"),
+        "compiled_checksums": ratio("compiled_checksums", "compiled"),
+        "compiled_checks_off": ratio("compiled_checks_off", "compiled"),
+        "gradient_detection": ratio("gradient_detection", "eager"),
+        "comm_checks": ratio("allreduce_checked", "allreduce"),
+        "goals": {"compiled_checksums": 1.03, "gradient_detection": 1.01, "eager_checksums": 1.10},
+        "checks_per_step": checks,
+        "events": len(flag.take()),
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m ttnpu.sdc.bench", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16", "float16"],
+        help="model dtype (the MoE layer needs bfloat16)",
+    )
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(json.dumps(run(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Communication checks: collectives verified against independently reduced checksums of the inputs.
+
+Each rank sums its input in chunks of ``L`` elements (plain sum and sum of magnitudes, in fp32).
+These checksums travel through their own small collective, independently of the data, and the
+result's chunk sums must match them within a worst-case rounding bound: an all-reduce of W ranks
+rounds each element at most W-1 times, each time by at most u·Σ_r|x_r| (u the unit roundoff of the
+data dtype), and our fp32 sums add at most L·u32 per side. Because the bound is worst-case, not
+statistical, a mismatch proves corruption (of the data or of the checksums) and is reported as
+confirmed. ``L`` is chosen from the dtype and W so that the whole bound stays below half of the
+largest element magnitude (Σ_r|x_r|) of the chunk: every corruption at least that large is caught.
+The same code runs over gloo, nccl and hccl groups; it only uses the collectives themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .checksum import unit_roundoff
+from .events import Reporter, default_reporter
+
+__all__ = ["CollectiveChecker", "chunk_length"]
+
+_U32 = unit_roundoff(torch.float32)
+_MAX_CHUNK = 4096
+
+
+def chunk_length(dtype: torch.dtype, world_size: int) -> int:
+    """Largest L (<= 4096) with L·((W-1)(u+u32) + 2·L·u32) <= 1/2 for the data dtype's u."""
+    per_rank = max(world_size - 1, 1) * (unit_roundoff(dtype) + _U32)
+    # Solve 2·u32·L² + per_rank·L - 1/2 = 0 for its positive root.
+    root = (-per_rank + math.sqrt(per_rank * per_rank + 4.0 * _U32)) / (4.0 * _U32)
+    return max(1, min(_MAX_CHUNK, int(root)))
+
+
+def _chunk_sums(flat: Tensor, length: int) -> Tensor:
+    """(2, chunks) fp32: per-chunk sum and sum of magnitudes of a 1-D tensor."""
+    x = flat.to(torch.float32)
+    pad = (-x.numel()) % length
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    x = x.view(-1, length)
+    return torch.stack([x.sum(1), x.abs().sum(1)])
+
+
+class CollectiveChecker:
+    """Run collectives on ``group`` and verify their results (SUM only; returns True when clean).
+
+    ``fault``, when set, is applied to the local result between the collective and its
+    verification (drills and tests inject bit flips there). A failed verification is reported as
+    a confirmed ``collective`` event naming the collective, its call number and the bad chunks.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        reporter: Reporter | None = None,
+        fault: Callable[[str, Tensor], None] | None = None,
+    ) -> None:
+        self.group = group
+        self.reporter = reporter
+        self.fault = fault
+        self.calls = 0
+        self.failures = 0
+
+    def _world(self) -> tuple[int, int]:
+        if self.group is not None:
+            return self.group.rank(), self.group.size()
+        return dist.get_rank(), dist.get_world_size()
+
+    def _verify(self, name: str, result: Tensor, expected: Tensor, length: int, world: int) -> bool:
+        """Compare the result's chunk sums with the reduced checksums ``expected`` (2, chunks)."""
+        got = _chunk_sums(result.reshape(-1), length)[0]
+        want, magnitude = expected[0], expected[1]
+        u = unit_roundoff(result.dtype)
+        bound = ((world - 1) * (u + _U32) + 2.0 * length * _U32) * magnitude * 1.01
+        judged = torch.isfinite(want) & torch.isfinite(magnitude)
+        diff = torch.nan_to_num((got - want).abs(), nan=math.inf)
+        bad = judged & (diff > bound)
+        if not bool(bad.any()):
+            return True
+        self.failures += 1
+        ratio = torch.where(bound > 0, diff / bound, torch.full_like(diff, math.inf))[bad]
+        chunks = bad.nonzero().flatten().tolist()
+        rank, _ = self._world()
+        (self.reporter or default_reporter()).report(
+            "collective",
+            f"{name}#{self.calls}",
+            magnitude=float(ratio.max()),
+            confirmed=True,
+            rank=rank,
+            detail={
+                "bad_chunks": len(chunks),
+                "first_bad_element": chunks[0] * length,
+                "chunk_length": length,
+                "dtype": str(result.dtype),
+                "numel": result.numel(),
+                "world_size": world,
+            },
+        )
+        return False
+
+    def _check_op(self, op: dist.ReduceOp.RedOpType) -> None:
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"CollectiveChecker verifies SUM reductions only, got {op}")
+
+    def all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> bool:
+        """In-place all-reduce of ``tensor``, verified."""
+        self._check_op(op)
+        self.calls += 1
+        _, world = self._world()
+        length = chunk_length(tensor.dtype, world)
+        sums = _chunk_sums(tensor.reshape(-1), length)
+        dist.all_reduce(sums, group=self.group)
+        dist.all_reduce(tensor, group=self.group)
+        if self.fault is not None:
+            self.fault("all_reduce", tensor)
+        return self._verify("all_reduce", tensor, sums, length, world)
+
+    def reduce_scatter_tensor(
+        self, output: Tensor, input: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    ) -> bool:
+        """``output`` = this rank's segment of the sum of every rank's ``input``, verified."""
+        self._check_op(op)
+        self.calls += 1
+        rank, world = self._world()
+        if input.numel() != world * output.numel():
+            raise ValueError(
+                f"reduce_scatter_tensor: input has {input.numel()} elements, expected "
+                f"world_size ({world}) x output ({output.numel()})"
+            )
+        length = chunk_length(input.dtype, world)
+        segments = input.reshape(world, -1)
+        sums = torch.stack([_chunk_sums(s, length) for s in segments], 1).contiguous()
+        dist.all_reduce(sums, group=self.group)
+        dist.reduce_scatter_single(output, input, group=self.group)
+        if self.fault is not None:
+            self.fault("reduce_scatter_tensor", output)
+        return self._verify("reduce_scatter_tensor", output, sums[:, rank], length, world)
+
+    def all_gather_into_tensor(self, output: Tensor, input: Tensor) -> bool:
+        """``output`` = every rank's ``input`` concatenated, verified segment by segment."""
+        self.calls += 1
+        _, world = self._world()
+        if output.numel() != world * input.numel():
+            raise ValueError(
+                f"all_gather_into_tensor: output has {output.numel()} elements, expected "
+                f"world_size ({world}) x input ({input.numel()})"
+            )
+        length = chunk_length(input.dtype, world)
+        local = _chunk_sums(input.reshape(-1), length)
+        gathered = local.new_empty((world * local.shape[0], local.shape[1]))
+        dist.all_gather_single(gathered, local, group=self.group)
+        dist.all_gather_single(output, input, group=self.group)
+        gathered = gathered.view(world, *local.shape)
+        if self.fault is not None:
+            self.fault("all_gather_into_tensor", output)
+        # Copies are exact: verify each segment against its sender's sums with a one-rank bound.
+        ok = True
+        for r, segment in enumerate(output.reshape(world, -1)):
+            ok &= self._verify(f"all_gather_into_tensor[{r}]", segment, gathered[r], length, 1)
+        return ok

@@ -1,0 +1,108 @@
+"""Where checksums attach: the covered aten ops, their operands, and how a result is reported.
+
+Shared by the eager mode and the compiled pass so both check and report the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .checksum import SIGMAS, CheckResult, check_grouped_mm, check_matmul
+from .events import Reporter
+
+__all__ = ["COVERED_OPS", "CheckStats", "Operands", "check_and_report", "current_phase", "operands"]
+
+aten = torch.ops.aten
+COVERED_OPS: dict[Any, str] = {
+    aten.mm.default: "mm",
+    aten.addmm.default: "addmm",
+    aten.bmm.default: "bmm",
+    aten._grouped_mm.default: "_grouped_mm",
+}
+"""aten overloads checked, with short names; ``matmul`` and ``linear`` decompose into these."""
+
+
+@dataclass(frozen=True)
+class Operands:
+    a: Any
+    b: Any
+    bias: Any = None
+    offs: Any = None
+    alpha: float = 1.0
+    beta: float = 1.0
+
+
+def operands(op: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Operands:
+    """The operands of a covered op from its call arguments (tensors or FX nodes)."""
+    if op == "addmm":
+        return Operands(
+            args[1],
+            args[2],
+            bias=args[0],
+            alpha=float(kwargs.get("alpha", 1.0)),
+            beta=float(kwargs.get("beta", 1.0)),
+        )
+    if op == "_grouped_mm":
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        bias = args[3] if len(args) > 3 else kwargs.get("bias")
+        return Operands(args[0], args[1], bias=bias, offs=offs)
+    return Operands(args[0], args[1])
+
+
+def current_phase() -> str:
+    """ "backward" while the autograd engine runs a backward pass, else "forward"."""
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+@dataclass
+class CheckStats:
+    """Counters of one checker: checks run, suspect checksums, false alarms, confirmed faults."""
+
+    checked: int = 0
+    suspects: int = 0
+    false_alarms: int = 0
+    faults: int = 0
+
+
+def check_and_report(
+    op: str,
+    ops: Operands,
+    out: Tensor,
+    *,
+    where: str,
+    reporter: Reporter,
+    stats: CheckStats,
+    sigmas: float = SIGMAS,
+) -> CheckResult:
+    """Check one covered op's output; report a confirmed fault as a ``matmul`` event."""
+    if op == "_grouped_mm":
+        result = check_grouped_mm(ops.a, ops.b, out, offs=ops.offs, bias=ops.bias, sigmas=sigmas)
+    else:
+        result = check_matmul(
+            ops.a, ops.b, out, bias=ops.bias, alpha=ops.alpha, beta=ops.beta, sigmas=sigmas
+        )
+    stats.checked += 1
+    stats.suspects += result.suspect
+    stats.false_alarms += result.verdict == "false_alarm"
+    if not result.ok:
+        stats.faults += 1
+        reporter.report(
+            "matmul",
+            where,
+            magnitude=result.magnitude,
+            confirmed=result.verdict in ("transient", "persistent"),
+            detail={
+                "op": op,
+                "verdict": result.verdict,
+                "error": result.error,
+                "bound": result.bound,
+                "dtype": str(out.dtype),
+                "shape": "x".join(map(str, out.shape)),
+            },
+        )
+    return result

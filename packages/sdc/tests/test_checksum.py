@@ -1,0 +1,127 @@
+import math
+
+import pytest
+import torch
+
+from ttnpu.sdc import check_grouped_mm, check_matmul, flip_bit, unit_roundoff
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _operands(
+    m: int, k: int, n: int, dtype: torch.dtype, scale: float, batch: tuple[int, ...] = ()
+):
+    a = (torch.randn(*batch, m, k) * scale).to(dtype)
+    b = (torch.randn(*batch, k, n) * scale).to(dtype)
+    return a, b
+
+
+def test_unit_roundoff_is_half_an_ulp_of_one() -> None:
+    assert unit_roundoff(torch.bfloat16) == 2.0**-8
+    assert unit_roundoff(torch.float16) == 2.0**-11
+    assert unit_roundoff(torch.float32) == 2.0**-24
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clean_products_of_random_shapes_and_scales_are_not_suspect(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(60):
+        m, k, n = (int(2 ** torch.empty(1).uniform_(0, 9, generator=g)) for _ in range(3))
+        scale = 10 ** float(torch.empty(1).uniform_(-3, 3, generator=g))
+        a, b = _operands(m, k, n, dtype, scale)
+        r = check_matmul(a, b, a @ b)
+        assert r.ok and not r.suspect, (m, k, n, scale, r)
+        assert r.error <= r.bound
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flip_larger_than_the_row_maximum_is_caught_and_transient(dtype: torch.dtype) -> None:
+    width = torch.finfo(dtype).bits
+    caught = 0
+    for trial in range(40):
+        a, b = _operands(48, 300, 80, dtype, 10.0 ** (trial % 7 - 3))
+        out = a @ b
+        index, bit = (trial * 7919) % out.numel(), width - 1 - trial % 12
+        row_max = float(out.view(-1, 80)[index // 80].abs().max())
+        delta = flip_bit(out, index, bit)
+        r = check_matmul(a, b, out)
+        if not math.isfinite(row_max) or not (abs(delta) >= row_max or math.isnan(delta)):
+            continue
+        caught += 1
+        assert not r.ok and r.verdict == "transient", (bit, delta, row_max, r)
+        assert r.magnitude > 1
+    assert caught >= 5
+
+
+def test_batched_broadcast_and_bias() -> None:
+    a, b = _operands(16, 64, 24, torch.bfloat16, 1.0, batch=(3,))
+    out = torch.bmm(a, b)
+    assert check_matmul(a, b, out).ok
+    assert check_matmul(a, b[0], torch.matmul(a, b[0])).ok  # b broadcast over the batch
+    bias = torch.randn(24, dtype=torch.bfloat16)
+    a2, b2 = a[0], b[0]
+    out2 = torch.addmm(bias, a2, b2, beta=0.5, alpha=2.0)
+    assert check_matmul(a2, b2, out2, bias=bias, alpha=2.0, beta=0.5).ok
+    assert not check_matmul(a2, b2, out2, bias=bias).ok  # wrong alpha/beta: a real mismatch
+    out[1, 2, 3] += out[1, 2].abs().max() * 2
+    assert check_matmul(a, b, out).verdict == "transient"
+
+
+def test_persistent_fault_is_told_from_transient_by_recomputation() -> None:
+    a, b = _operands(32, 64, 32, torch.bfloat16, 1.0)
+    bad = a @ b
+    bad[5, 5] += 100.0
+    r = check_matmul(a, b, bad, recompute=lambda: bad.clone())  # the device repeats the fault
+    assert (r.ok, r.verdict) == (False, "persistent")
+    assert check_matmul(a, b, bad).verdict == "transient"
+    assert check_matmul(a, b, bad, confirm=False).verdict == "unconfirmed"
+
+
+def test_checksum_false_alarm_is_refuted_by_the_host_reference() -> None:
+    a, b = _operands(32, 256, 32, torch.bfloat16, 1.0)
+    r = check_matmul(a, b, a @ b, sigmas=1e-6)  # an absurdly tight bound suspects rounding
+    assert r.suspect and r.ok and r.verdict == "false_alarm"
+
+
+def test_nonfinite_output_from_finite_inputs_is_caught() -> None:
+    a, b = _operands(8, 16, 8, torch.float32, 1.0)
+    out = a @ b
+    out[2, 2] = float("nan")
+    assert check_matmul(a, b, out).verdict == "transient"
+    a[0, 0] = float("inf")  # inputs not finite: the check cannot judge, it does not accuse
+    assert check_matmul(a, b, a @ b).ok
+
+
+def test_bad_shapes_and_dtypes_are_named() -> None:
+    a, b = torch.randn(4, 5), torch.randn(6, 3)
+    with pytest.raises(ValueError, match="last dim of a"):
+        check_matmul(a, b, torch.randn(4, 3))
+    with pytest.raises(ValueError, match="out is"):
+        check_matmul(a, torch.randn(5, 3), torch.randn(4, 4))
+    with pytest.raises(TypeError, match="b must be a floating tensor"):
+        check_matmul(a, torch.ones(5, 3, dtype=torch.int64), torch.randn(4, 3))
+    with pytest.raises(ValueError, match="bias"):
+        check_matmul(a, torch.randn(5, 3), torch.randn(4, 3), bias=torch.randn(7))
+
+
+def test_grouped_mm_layouts_clean_and_corrupted() -> None:
+    bf = torch.bfloat16
+    offs = torch.tensor([16, 16, 40, 64], dtype=torch.int32)  # one empty group
+    cases = {
+        "rows": (torch.randn(64, 32, dtype=bf), torch.randn(4, 32, 16, dtype=bf)),
+        "k": (torch.randn(64, 24, dtype=bf).t(), torch.randn(64, 16, dtype=bf)),
+        "cols": (
+            torch.randn(4, 24, 32, dtype=bf),
+            torch.randn(32, 64, dtype=bf).t().contiguous().t(),
+        ),
+        "batched": (torch.randn(4, 24, 32, dtype=bf), torch.randn(4, 32, 16, dtype=bf)),
+    }
+    for name, (a, b) in cases.items():
+        o = None if name == "batched" else offs
+        if name == "cols":
+            b = torch.randn(64, 32, dtype=bf).t()
+        out = torch._grouped_mm(a, b, offs=o)
+        assert check_grouped_mm(a, b, out, offs=o).ok, name
+        out.view(-1)[out.numel() // 2 + 3] += 1000.0
+        r = check_grouped_mm(a, b, out, offs=o)
+        assert (r.ok, r.verdict) == (False, "transient"), name

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ttnpu.sdc import CollectiveChecker, Reporter, VetoFlag, chunk_length, flip_bit
+
+from .threaded import run_ranks
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def test_chunk_length_keeps_the_bound_under_half_the_chunk_maximum() -> None:
+    assert chunk_length(torch.bfloat16, 2) == 127
+    assert chunk_length(torch.float32, 2) == 2047
+    assert chunk_length(torch.bfloat16, 8) < chunk_length(torch.bfloat16, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clean_collectives_verify(dtype: torch.dtype) -> None:
+    def body(group: dist.ProcessGroup, rank: int) -> tuple[bool, bool, bool, int]:
+        flag = VetoFlag()
+        checker = CollectiveChecker(group, reporter=Reporter([flag], rank=rank))
+        g = torch.Generator().manual_seed(rank)
+        x = (torch.randn(5000, generator=g) * 10 ** (rank * 2 - 1)).to(dtype)
+        ok1 = checker.all_reduce(x)
+        out = torch.empty(2500, dtype=dtype)
+        ok2 = checker.reduce_scatter_tensor(out, torch.randn(5000, generator=g).to(dtype))
+        gathered = torch.empty(6000, dtype=dtype)
+        ok3 = checker.all_gather_into_tensor(gathered, torch.randn(3000, generator=g).to(dtype))
+        return ok1, ok2, ok3, len(flag.take())
+
+    for result in run_ranks(2, body):
+        assert result == (True, True, True, 0)
+
+
+@pytest.mark.parametrize("name", ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"])
+def test_corruption_on_one_rank_is_reported_by_that_rank_at_that_call(name: str) -> None:
+    def corrupt(rank: int):
+        def fault(op: str, result: torch.Tensor) -> None:
+            if rank == 1 and op == name and checker_calls[rank] == 3:
+                flip_bit(result, 123, 30)
+
+        return fault
+
+    checker_calls = [0, 0]
+
+    def body(group: dist.ProcessGroup, rank: int) -> list[tuple[str, int, bool]]:
+        flag = VetoFlag()
+        checker = CollectiveChecker(
+            group, reporter=Reporter([flag], rank=rank), fault=corrupt(rank)
+        )
+        for call in range(1, 5):
+            checker_calls[rank] = call
+            x = torch.randn(4096)
+            if name == "all_reduce":
+                checker.all_reduce(x)
+            elif name == "reduce_scatter_tensor":
+                checker.reduce_scatter_tensor(torch.empty(2048), x)
+            else:
+                checker.all_gather_into_tensor(torch.empty(8192), x)
+        return [(e.where, e.rank, e.confirmed) for e in flag.take()]
+
+    reports = run_ranks(2, body)
+    assert reports[0] == []
+    assert len(reports[1]) == 1
+    where, rank, confirmed = reports[1][0]
+    assert where.startswith(name) and "#3" in where and rank == 1 and confirmed
+
+
+def test_random_flips_at_least_the_chunk_maximum_are_all_caught() -> None:
+    def body(group: dist.ProcessGroup, rank: int) -> tuple[int, int]:
+        flips = {"must": 0, "caught": 0}
+        magnitude = torch.empty(0)  # per element: sum over ranks of |input|
+        g = torch.Generator().manual_seed(100)  # same flip plan on both ranks
+
+        def fault(op: str, result: torch.Tensor) -> None:
+            if rank == 0:
+                index = int(torch.randint(result.numel(), (1,), generator=g))
+                bit = int(torch.randint(16, (1,), generator=g))
+                length = chunk_length(result.dtype, 2)
+                start = index // length * length
+                chunk_max = float(magnitude[start : start + length].max())
+                delta = flip_bit(result, index, bit)
+                fault.must = abs(delta) >= chunk_max or math.isnan(delta)  # type: ignore[attr-defined]
+
+        checker = CollectiveChecker(group, reporter=Reporter([], rank=rank), fault=fault)
+        for trial in range(60):
+            x = (torch.randn(1000) * 10 ** (trial % 7 - 3)).to(torch.bfloat16)
+            magnitude = x.abs().float()
+            dist.all_reduce(magnitude, group=group)
+            ok = checker.all_reduce(x)
+            if rank == 0 and fault.must:  # type: ignore[attr-defined]
+                flips["must"] += 1
+                flips["caught"] += not ok
+        return flips["must"], flips["caught"]
+
+    must, caught = run_ranks(2, body)[0]
+    assert must >= 5 and caught == must
+
+
+def test_only_sum_is_verified() -> None:
+    def body(group: dist.ProcessGroup, rank: int) -> None:
+        with pytest.raises(ValueError, match="SUM"):
+            CollectiveChecker(group).all_reduce(torch.ones(3), op=dist.ReduceOp.MAX)
+
+    run_ranks(1, body)

@@ -1,0 +1,133 @@
+"""One small training graph compiled once with Inductor on CPU; every assertion reuses it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+from torch import nn
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from ttnpu.sdc import (
+    BitFlip,
+    FaultPlan,
+    VetoFlag,
+    arm_compiled_fault,
+    checksum_switch,
+    compiled_stats,
+    disarm_compiled_fault,
+    install_checksum_pass,
+    uninstall_checksum_pass,
+)
+from ttnpu.sdc.compiled import CHECK_OP
+from ttnpu.sdc.sites import COVERED_OPS
+
+
+class _Experts(nn.Module):
+    """A linear, a plain matmul and MoE-style grouped experts: addmm, mm and _grouped_mm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, 32)
+        self.w = nn.Parameter(torch.randn(32, 32) / 6)
+        self.experts = nn.Parameter(torch.randn(4, 32, 16) / 6)
+        self.register_buffer("offs", torch.tensor([8, 16, 24, 32], dtype=torch.int32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x)) @ self.w
+        return torch._grouped_mm(h, self.experts, offs=self.offs)
+
+
+class _Inspect(CustomGraphPass):
+    """Runs after our pass and records, per graph, covered nodes and whether a check follows."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.sites: list[tuple[str, bool]] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.inner(graph)
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in COVERED_OPS:
+                nxt = node.next
+                self.sites.append(
+                    (str(node.target), nxt.target is CHECK_OP and nxt.args[0] is node)
+                )
+
+    def uuid(self) -> Any:
+        return ("inspect", self.inner.uuid())
+
+
+@pytest.fixture(scope="module")
+def compiled() -> Iterator[tuple[Any, _Experts, Any, _Inspect]]:
+    ours = install_checksum_pass(dtypes=(torch.bfloat16,))
+    inspect = _Inspect(inductor_config.post_grad_custom_post_pass)
+    inductor_config.post_grad_custom_post_pass = inspect
+    torch.manual_seed(0)
+    model = _Experts().bfloat16()
+    fn = torch.compile(model, fullgraph=True)
+    # The caches would hand back an already instrumented graph without running the passes.
+    no_cache = inductor_config.patch(fx_graph_cache=False)
+    no_aot_cache = torch._functorch.config.patch(enable_autograd_cache=False)
+    try:
+        with no_cache, no_aot_cache:
+            yield fn, model, ours, inspect
+    finally:
+        inductor_config.post_grad_custom_post_pass = ours
+        uninstall_checksum_pass()
+        torch._dynamo.reset()
+
+
+def _step(fn: Any, x: torch.Tensor) -> torch.Tensor:
+    out = fn(x)
+    out.float().square().sum().backward()
+    return out.detach()
+
+
+def test_checks_follow_every_covered_matmul_and_toggle_without_recompiling(
+    compiled: Any, veto: VetoFlag
+) -> None:
+    fn, _, ours, inspect = compiled
+    x = torch.randn(32, 32, dtype=torch.bfloat16)
+    _step(fn, x)
+    assert ours.graphs == 2  # forward and backward graphs
+    ops = sorted(op for op, _ in inspect.sites)
+    assert all(checked for _, checked in inspect.sites), inspect.sites
+    assert "aten._grouped_mm.default" in ops and "aten.mm.default" in ops
+    assert ops.count("aten._grouped_mm.default") == 3  # forward, grad input, grad experts
+    assert ours.inserted == len(inspect.sites)
+    checked = compiled_stats().checked
+    assert checked == len(inspect.sites)
+
+    graphs_before = counters["stats"]["unique_graphs"]
+    checksum_switch.off()
+    _step(fn, x)
+    assert compiled_stats().checked == checked
+    checksum_switch.on()
+    _step(fn, x)
+    assert compiled_stats().checked == 2 * checked
+    assert counters["stats"]["unique_graphs"] == graphs_before and ours.graphs == 2
+    assert not veto.vetoed
+
+
+def test_injected_fault_inside_the_compiled_graph_is_reported(
+    compiled: Any, veto: VetoFlag
+) -> None:
+    fn, model, ours, _ = compiled
+    x = torch.randn(32, 32, dtype=torch.bfloat16)
+    clean = model(x).detach()
+    plan = FaultPlan([BitFlip(index=5, bit=14)], ops=frozenset({"mm"}), phase="forward")
+    arm_compiled_fault(plan)
+    try:
+        corrupted = _step(fn, x)
+    finally:
+        disarm_compiled_fault()
+    assert plan.fired == 1
+    (event,) = veto.take()
+    assert event.kind == "matmul" and event.confirmed and event.where.startswith("mm:forward:")
+    assert not torch.equal(corrupted, clean)  # the consumer saw the corrupted product
+    assert ours.graphs == 2
