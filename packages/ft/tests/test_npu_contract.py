@@ -135,12 +135,14 @@ def test_a_timeout_cannot_interrupt_the_optimizer_update(
     fake_npu: Any, store: TCPStore, model: torch.nn.Module
 ) -> None:
     recovery, opt = setup_recovery(fake_npu, store, model)
-    recovery.begin_step()
-    recovery.watchdog.arm("late allreduce")  # expires during the (slow) update
     model(torch.randn(2, 8)).sum().backward()
+    recovery.begin_step()
     before = model[0].weight.detach().clone()
 
     def slow_update() -> None:
+        # Armed inside the update, so the 50 ms timer surely expires while it runs, however
+        # loaded the machine is.
+        recovery.watchdog.arm("late allreduce")
         threading.Event().wait(0.2)
         opt.step()
 
