@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -114,6 +115,20 @@ class FakeTorchNpu:
 
         self._C = _C
         self.npu = npu
+
+
+@pytest.fixture
+def poll() -> Callable[[Callable[[], object]], None]:
+    """Wait for a condition another thread makes true; the deadline is one no loaded host hits."""
+
+    def wait(cond: Callable[[], object], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                pytest.fail(f"condition not met within {timeout} s")
+            time.sleep(0.01)
+
+    return wait
 
 
 @pytest.fixture

@@ -93,14 +93,14 @@ def setup_recovery(fake_npu: Any, store: TCPStore, model: torch.nn.Module, **kw:
 
 
 def test_npu_recovery_sequence_after_a_collective_timeout(
-    fake_npu: Any, store: TCPStore, model: torch.nn.Module
+    fake_npu: Any, store: TCPStore, model: torch.nn.Module, poll: Any
 ) -> None:
     recovery, _ = setup_recovery(fake_npu, store, model)
     model(torch.randn(2, 8)).sum().backward()
     recovery.begin_step()
-    hung = threading.Event()
     with pytest.raises(CollectiveTimeout, match="allreduce timed out"):
-        recovery.guard("allreduce", lambda: hung.wait(1.0))  # the watchdog stops it at 50 ms
+        # a collective that hangs until the 50 ms watchdog has stopped the device
+        recovery.guard("allreduce", lambda: poll(lambda: recovery.stopped))
     cleanup = recovery.recover(CollectiveTimeout("allreduce"))
     assert fake_npu.rec.calls == [
         ("stop_device", 3),  # timer thread: queued work fails with FORCE STOP
@@ -108,8 +108,11 @@ def test_npu_recovery_sequence_after_a_collective_timeout(
         ("abort", "hccl1"),
         ("shutdown", "hccl1"),
         ("clear_workmeta_list", "hccl1"),
-        ("restart_device", 3, True, True),  # training thread, after cleaning the site
-        ("resume_hccl_comm", "hccl2", 3),  # the group that was not aborted
+        # training thread, after cleaning the site, in MindSpeed's order (facts C.3): resume the
+        # groups that were not aborted (reinit_process_group(rebuild_link=False)), then
+        # restart_device, which clears FORCE STOP and restarts the watchdogs
+        ("resume_hccl_comm", "hccl2", 3),
+        ("restart_device", 3, True, True),
         ("empty_cache",),
     ]
     assert cleanup.grads_cleared == len(list(model.parameters()))
@@ -128,26 +131,30 @@ def test_recovery_without_a_timeout_stops_and_aborts_itself(
     assert recovery.is_recoverable(error) and not recovery.is_recoverable(ValueError("bug"))
     recovery.recover(error)
     assert fake_npu.rec.names()[:2] == ["stop_device", "abort_hccl_comm"]
-    assert fake_npu.rec.names()[-3:] == ["restart_device", "resume_hccl_comm", "empty_cache"]
+    assert fake_npu.rec.names()[-3:] == ["resume_hccl_comm", "restart_device", "empty_cache"]
 
 
 def test_a_timeout_cannot_interrupt_the_optimizer_update(
-    fake_npu: Any, store: TCPStore, model: torch.nn.Module
+    fake_npu: Any, store: TCPStore, model: torch.nn.Module, monkeypatch: Any, poll: Any
 ) -> None:
     recovery, opt = setup_recovery(fake_npu, store, model)
     model(torch.randn(2, 8)).sum().backward()
     recovery.begin_step()
     before = model[0].weight.detach().clone()
 
+    expiring = threading.Event()
+    expire = recovery.watchdog._expire
+    monkeypatch.setattr(recovery.watchdog, "_expire", lambda t: (expiring.set(), expire(t)))
+
     def slow_update() -> None:
-        # Armed inside the update, so the 50 ms timer surely expires while it runs, however
-        # loaded the machine is.
+        # Armed inside the update, which holds the lock until the 50 ms timer has expired and
+        # its thread blocks on the lock: the timeout surely happens while the update runs.
         recovery.watchdog.arm("late allreduce")
-        threading.Event().wait(0.2)
+        assert expiring.wait(60)
         opt.step()
 
     recovery.apply_update(slow_update)
-    threading.Event().wait(0.1)
+    poll(lambda: recovery.watchdog.stale_expiries == 1)
     assert not torch.equal(before, model[0].weight)
     assert fake_npu.rec.names() == ["synchronize"]  # no stop_device, no abort
     assert recovery.watchdog.stale_expiries == 1 and not recovery.stopped

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -135,6 +135,7 @@ def test_recoverable_failures_discard_the_step_until_the_limit(make_model: Any) 
             r"group_rank must be in \[0, group_world_size\)",
         ),
         ({"collective_timeout": timedelta(0)}, "collective_timeout must be > 0 s"),
+        ({"step_timeout": timedelta(0)}, "step_timeout must be > 0 s or None"),
         ({"group_world_size": 2}, "needs store_addr/store_port"),
     ],
 )
@@ -159,4 +160,65 @@ def test_lighthouse_lifecycle() -> None:
     assert not lh.running
     with pytest.raises(ValueError, match="heartbeat_timeout_ms must be >= 1"):
         EmbeddedLighthouse(heartbeat_timeout_ms=0)
-    assert threading.active_count() >= 1
+
+
+def test_without_a_step_timeout_a_step_longer_than_the_collective_timeout_commits() -> None:
+    with EmbeddedLighthouse(min_replicas=1) as lh:
+        model = torch.nn.Linear(4, 1)
+        # step_timeout=None: no timer over forward/backward
+        config = ReplicaConfig(
+            replica_id=0,
+            lighthouse=lh.address,
+            device="cpu",
+            collective_timeout=timedelta(seconds=1),
+        )
+        with Replica(config, model, torch.optim.SGD(model.parameters(), lr=0.1)) as replica:
+
+            def slow_step() -> None:
+                model(torch.randn(2, 4)).sum().backward()
+                time.sleep(2.0)  # twice the collective timeout
+
+            result = replica.run_step(slow_step)
+            assert result.committed and not result.recovered and result.step == 1
+            assert replica.recovery.total_recoveries == 0
+
+
+def test_parameters_no_replica_has_a_gradient_for_stay_untouched_by_adamw() -> None:
+    with EmbeddedLighthouse(min_replicas=1) as lh:
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict(
+            {"used": torch.nn.Linear(4, 1), "unused": torch.nn.Linear(4, 1)}
+        )
+        unused = [p.detach().clone() for p in model["unused"].parameters()]
+        used = [p.detach().clone() for p in model["used"].parameters()]
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+        config = ReplicaConfig(replica_id=0, lighthouse=lh.address, device="cpu")
+        with Replica(config, model, opt) as replica:
+            for _ in range(2):
+                step = lambda: model["used"](torch.randn(2, 4)).sum().backward()  # noqa: E731
+                assert replica.run_step(step).committed
+                assert all(p.grad is None for p in model["unused"].parameters())
+                assert all(p.grad is not None for p in model["used"].parameters())
+        for before, after in zip(unused, model["unused"].parameters(), strict=True):
+            assert torch.equal(before, after) and after not in opt.state
+        assert not any(
+            torch.equal(b, a) for b, a in zip(used, model["used"].parameters(), strict=True)
+        )
+
+
+def test_a_peer_lost_during_the_veto_vote_is_recovered(
+    make_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with EmbeddedLighthouse(min_replicas=1) as lh:
+        replica = make_replica(0, lh.address, make_model)
+        try:
+
+            def peer_lost() -> bool:
+                raise RuntimeError("Connection closed by peer")
+
+            monkeypatch.setattr(replica.veto, "vote", peer_lost)
+            result = replica.run_step(lambda: replica.model(torch.randn(2, 8)).sum().backward())
+            assert result.recovered and not result.committed and result.step == 0
+            assert all(p.grad is None for p in replica.model.parameters())
+        finally:
+            replica.close()

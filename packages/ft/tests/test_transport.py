@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 
 import pytest
@@ -10,7 +11,8 @@ from ttnpu.ft import SocketTransport
 T = timedelta(seconds=10)
 
 
-def test_roundtrip_keeps_structure_values_and_dtypes() -> None:
+def test_request_waits_for_the_snapshot_then_keeps_structure_values_and_dtypes() -> None:
+    """A joiner may ask before the source serves that step (as with torchft's HTTPTransport)."""
     src, dst = SocketTransport(T), SocketTransport(T)
     state = {
         "user": {
@@ -25,8 +27,9 @@ def test_roundtrip_keeps_structure_values_and_dtypes() -> None:
         },
         "torchft": {"step": 7, "batches_committed": 14},
     }
+    sender = threading.Timer(1.0, src.send_checkpoint, args=([1], 7, state, T))
     try:
-        src.send_checkpoint([1], 7, state, T)
+        sender.start()  # the request below reaches the source before the snapshot is served
         out = dst.recv_checkpoint(0, src.metadata(), 7, T)
         flat_a, spec_a = torch.utils._pytree.tree_flatten(state)
         flat_b, spec_b = torch.utils._pytree.tree_flatten(out)
@@ -37,12 +40,14 @@ def test_roundtrip_keeps_structure_values_and_dtypes() -> None:
             else:
                 assert a == b
     finally:
+        sender.join()
         src.shutdown()
         dst.shutdown()
 
 
 def test_wrong_step_or_nothing_served_is_a_clear_error() -> None:
-    src, dst = SocketTransport(T), SocketTransport(T)
+    # The source holds a request for its transport timeout, then answers what it serves.
+    src, dst = SocketTransport(timedelta(seconds=0.5)), SocketTransport(T)
     try:
         with pytest.raises(RuntimeError, match=r"no checkpoint for step 3 \(it serves nothing\)"):
             dst.recv_checkpoint(0, src.metadata(), 3, T)
@@ -54,4 +59,16 @@ def test_wrong_step_or_nothing_served_is_a_clear_error() -> None:
             dst.recv_checkpoint(0, src.metadata(), 5, T)
     finally:
         src.shutdown()
+        dst.shutdown()
+
+
+def test_shutdown_answers_a_waiting_request() -> None:
+    src, dst = SocketTransport(T), SocketTransport(T)
+    closer = threading.Timer(0.5, src.shutdown)
+    try:
+        closer.start()
+        with pytest.raises(RuntimeError, match="serves nothing"):
+            dst.recv_checkpoint(0, src.metadata(), 3, T)
+    finally:
+        closer.join()
         dst.shutdown()

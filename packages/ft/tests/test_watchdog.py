@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import threading
-import time
+from typing import Any
 
 import pytest
 
@@ -20,9 +20,11 @@ def test_live_timer_fires_once_with_its_token() -> None:
 def test_disarmed_timer_never_fires() -> None:
     fired: list[WatchdogToken] = []
     dog = CollectiveWatchdog(0.05, fired.append)
-    dog.disarm(dog.arm("allreduce"))
-    time.sleep(0.2)
-    assert fired == []
+    token = dog.arm("allreduce")
+    timer = dog._active[token]
+    dog.disarm(token)
+    timer.join(60)  # the timer thread has ended
+    assert not timer.is_alive() and fired == []
 
 
 def test_timer_of_an_old_generation_cannot_stop_the_new_step() -> None:
@@ -38,16 +40,21 @@ def test_timer_of_an_old_generation_cannot_stop_the_new_step() -> None:
     assert fired == [new]
 
 
-def test_expiry_waits_for_the_lock_held_by_an_update() -> None:
+def test_expiry_waits_for_the_lock_held_by_an_update(
+    monkeypatch: pytest.MonkeyPatch, poll: Any
+) -> None:
     """The optimizer update holds the lock; it retires the step's timers before releasing it."""
     fired: list[WatchdogToken] = []
     dog = CollectiveWatchdog(0.05, fired.append)
+    expiring = threading.Event()
+    expire = dog._expire
+    monkeypatch.setattr(dog, "_expire", lambda t: (expiring.set(), expire(t)))
     with dog.lock:
         dog.arm("allreduce")
-        time.sleep(0.2)  # the timer thread expires and blocks on the lock
+        assert expiring.wait(60)  # the timer thread expired and now blocks on the lock
         dog.new_generation()
-    time.sleep(0.1)
-    assert fired == [] and dog.stale_expiries == 1
+    poll(lambda: dog.stale_expiries == 1)
+    assert fired == []
 
 
 def test_bad_timeout_is_refused() -> None:

@@ -96,7 +96,7 @@ class CudaAdapter:
 
 
 class NpuAdapter:
-    """hccl: stop_device fails queued work (FORCE STOP); restart_device + resume bring it back."""
+    """hccl: stop_device fails queued work (FORCE STOP); resume + restart_device bring it back."""
 
     kind = "npu"
 
@@ -127,13 +127,16 @@ class NpuAdapter:
 
     def restart_device(self) -> None:
         index = self.runtime.current_device()
-        self.runtime.restart_device(index)
         # stop_device suspended every HCCL communicator. The aborted torchft group is rebuilt at
         # the next quorum; the others (the replica's own FSDP/EP groups, other live torchft
-        # groups) resume in place.
+        # groups) resume in place. The order is MindSpeed-LLM's step retry, the one used on Ascend:
+        # resume the communicators first (its reinit_process_group(rebuild_link=False) is
+        # resume_hccl_comm on every group), then restart_device, which clears FORCE STOP and sets
+        # the watchdogs running again. The reverse order has not been run on Ascend.
         live = [group.backend for group in self._groups if group.backend is not None]
         for backend in [*live, *self.runtime.process_group_backends()]:
             self.runtime.resume_communicator(backend, index)
+        self.runtime.restart_device(index)
 
     def empty_cache(self) -> None:
         self.runtime.empty_cache()

@@ -85,6 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds added to each backward")
     p.add_argument("--veto-at", type=int, nargs="*", default=[], help="steps this replica vetoes")
+    p.add_argument(
+        "--hold-at",
+        type=int,
+        default=None,
+        help="at this step, after backward (before the gradient all-reduce), write "
+        "DIR/holding_<id> and block until killed: a deterministic point for a kill drill (ft mode)",
+    )
     p.add_argument("--collective-timeout", type=float, default=5.0)
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--join-file", type=Path, default=None, help="wait for it before joining")
@@ -96,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     model, optimizer, scheduler = build(args.width, args.depth, args.seed)
     batches = Batches(args.replica_id, args.batch, args.width, args.seed)
     loss_fn = nn.MSELoss()
+    step = 0  # ft mode: the committed steps before the one in flight
 
     def forward_backward() -> float:
         x, y = batches.next()
@@ -103,6 +111,10 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if step == args.hold_at:
+            (args.out / f"holding_{args.replica_id}").write_text(str(step))
+            while True:
+                time.sleep(1)
         return float(loss.detach())
 
     def emit(record: dict[str, Any]) -> None:

@@ -87,8 +87,11 @@ class StepRecovery:
             self._stopped = None
 
     def guard(self, label: str, fn: Callable[[], T], timeout: timedelta | None = None) -> T:
-        """Run a collective (or a whole forward/backward) under a watchdog timer."""
-        token = self.watchdog.arm(label, timeout.total_seconds() if timeout else None)
+        """Run a collective (or a whole forward/backward) under a watchdog timer.
+
+        ``timeout`` None: the collective timeout.
+        """
+        token = self.watchdog.arm(label, None if timeout is None else timeout.total_seconds())
         try:
             result = fn()
         finally:

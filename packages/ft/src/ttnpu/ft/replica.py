@@ -71,6 +71,8 @@ class ReplicaConfig:
         ]
         for name in ("collective_timeout", "timeout", "quorum_timeout", "recovery_timeout"):
             checks.append((name, getattr(self, name).total_seconds() > 0, "> 0 s"))
+        if self.step_timeout is not None:
+            checks.append(("step_timeout", self.step_timeout.total_seconds() > 0, "> 0 s or None"))
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"ReplicaConfig.{name} must be {rule}, got {getattr(self, name)}")
@@ -162,24 +164,34 @@ class Replica:
     def allreduce_gradients(self) -> None:
         """Average every gradient across the participating replicas (one all-reduce per dtype).
 
-        A parameter without a gradient contributes zeros, so all replicas send the same layout;
-        DTensor gradients reduce their local shard (every replica shards the same way).
+        A parameter without a gradient contributes zeros, so all replicas send the same layout; a
+        has-gradient mask travels in the same buffer, and a parameter no replica produced a
+        gradient for gets ``grad = None`` back, so the optimizer leaves it alone (no weight
+        decay, no moment update). DTensor gradients reduce their local shard (every replica
+        shards the same way).
         """
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
+        buckets: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}
+        for param in self.model.parameters():
+            if not param.requires_grad:
+                continue
             grad = param.grad
+            has_grad = grad is not None
+            if grad is None:
+                grad = param.grad = torch.zeros_like(param)
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            by_dtype.setdefault(local.dtype, []).append(local)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            buckets.setdefault(local.dtype, []).append((param, local, has_grad))
+        for bucket in buckets.values():
+            grads = [g for _, g, _ in bucket]
+            mask = torch.tensor([float(h) for _, _, h in bucket], device=grads[0].device)
+            flat = torch.cat([*(g.reshape(-1) for g in grads), mask.to(grads[0].dtype)])
             self.manager.allreduce(flat).wait()
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
+            for (owner, _, _), anyone in zip(bucket, flat[offset:].tolist(), strict=True):
+                if anyone == 0:
+                    owner.grad = None
 
     def sum_expert_counts(self) -> int:
         """Sum MoE ``tokens_per_expert`` counters across replicas (call before the bias update)."""
@@ -196,11 +208,18 @@ class Replica:
         self.optimizer.zero_grad(set_to_none=True)
         timings["quorum"] = time.perf_counter() - t0
         output = None
+        step_timeout = self.config.step_timeout
         try:
-            output = self.recovery.guard("forward_backward", fn, self.config.step_timeout)
+            if step_timeout is None:  # no step timer: only the collectives are watched
+                output = fn()
+            else:
+                output = self.recovery.guard("forward_backward", fn, step_timeout)
             t1 = time.perf_counter()
             self.recovery.guard("allreduce_gradients", self.allreduce_gradients)
-            timings["allreduce"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            timings["allreduce"] = t2 - t1
+            # A peer that dies between the all-reduce and the vote is caught here too.
+            vetoed = self.recovery.guard("veto", self.veto.vote)
         except Exception as error:
             if not self.recovery.is_recoverable(error):
                 raise
@@ -215,14 +234,9 @@ class Replica:
                 seconds=time.perf_counter() - t0,
                 timings=timings,
             )
-        return self._commit(output, t0, timings)
-
-    def _commit(self, output: Any, t0: float, timings: dict[str, float]) -> StepResult:
-        t1 = time.perf_counter()
-        vetoed = self.veto.vote()
         participants = self.manager.num_participants()
         committed = self.manager.should_commit()
-        timings["vote_commit"] = time.perf_counter() - t1
+        timings["vote_commit"] = time.perf_counter() - t2
         if committed:
             self.recovery.apply_update(self._update)
         else:

@@ -104,6 +104,7 @@ class SocketTransport(CheckpointTransport[T]):
         torch.save(_flatten(state_dict, tensors), skeleton)
         with self._lock:
             self._served = (step, skeleton.getvalue(), tensors)
+            self._lock.notify_all()  # requests waiting for this step
 
     def disallow_checkpoint(self) -> None:
         """Stop serving; waits for transfers in flight so their tensors stay valid to the end."""
@@ -152,6 +153,12 @@ class SocketTransport(CheckpointTransport[T]):
             _recv_exact(conn, memoryview(request))
             (step,) = _LEN.unpack(request)
             with self._lock:
+                # Like torchft's HTTPTransport: a joiner may ask before this replica's snapshot of
+                # that step is served; hold the request until it is (or the transport closes).
+                self._lock.wait_for(
+                    lambda: self._closed or (self._served is not None and self._served[0] == step),
+                    timeout=self._timeout,
+                )
                 served = self._served
                 if served is None or served[0] != step:
                     have = -1 if served is None else -(served[0] + 2)
@@ -169,7 +176,9 @@ class SocketTransport(CheckpointTransport[T]):
                     self._lock.notify_all()
 
     def shutdown(self, wait: bool = True) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()  # requests waiting for a checkpoint get "nothing served"
         with contextlib.suppress(OSError):
             self._server.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
         self._server.close()

@@ -60,10 +60,15 @@ class CollectiveWatchdog:
             return self._generation
 
     def arm(self, label: str, timeout_s: float | None = None) -> WatchdogToken:
+        """Start a timer of ``timeout_s`` seconds (None: the watchdog's own timeout)."""
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"CollectiveWatchdog.arm: timeout_s must be > 0, got {timeout_s}")
         with self.lock:
             self._serial += 1
             token = WatchdogToken(self._generation, self._serial, label)
-            timer = threading.Timer(timeout_s or self.timeout_s, self._expire, args=(token,))
+            timer = threading.Timer(
+                self.timeout_s if timeout_s is None else timeout_s, self._expire, args=(token,)
+            )
             timer.daemon = True
             self._active[token] = timer
             timer.start()
