@@ -43,7 +43,7 @@ def test_dsv4_debug_trains_on_the_bundled_corpus_with_tensorboard_and_checkpoint
     assert isinstance(model, DeepSeekV4LM.Config) and model.dsv4().vocab_size == 2048
 
 
-def test_dsv4_flash_ft_is_two_groups_of_64_dies_each_fsdp_64_by_ep_64() -> None:
+def test_dsv4_flash_ft_is_one_replica_group_of_64_dies_fsdp_64_by_ep_64() -> None:
     config = _parse("--config", "dsv4_flash_ft")
     assert config.parallelism.data_parallel_shard_degree == 64
     assert config.parallelism.expert_parallel_degree == 64

@@ -103,3 +103,26 @@ def test_sink_absorbs_probability_mass(tiny: DeepSeekV4Config) -> None:
         attn.attn_sink.fill_(50.0)  # the sink takes (almost) all the mass: zero value
         full_sink = attn(x, rope)[0]
     assert no_sink.abs().mean() > 1e3 * full_sink.abs().mean()
+
+
+def test_bf16_activations_take_the_softmax_and_sink_in_fp32(
+    tiny: DeepSeekV4Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attn = _attention(tiny, 0)
+    for linear in (attn.wq_a, attn.wq_b, attn.wkv, attn.wo_a, attn.wo_b):
+        linear.to(torch.bfloat16)  # a bf16 model; the sink parameter stays fp32
+    with torch.no_grad():
+        attn.attn_sink.fill_(1.0 + 2.0**-12)  # not representable in bf16
+    softmax_inputs: list[torch.Tensor] = []
+    softmax = torch.softmax
+
+    def spy(x: torch.Tensor, dim: int) -> torch.Tensor:
+        softmax_inputs.append(x)
+        return softmax(x, dim=dim)
+
+    monkeypatch.setattr(torch, "softmax", spy)
+    out = attn(torch.randn(1, 12, tiny.dim, dtype=torch.bfloat16), _rope(tiny, 12))[0]
+    assert out.dtype == torch.bfloat16
+    (logits,) = softmax_inputs
+    assert logits.dtype == torch.float32
+    assert (logits[..., -1] == 1.0 + 2.0**-12).all()  # the sink logit, unrounded

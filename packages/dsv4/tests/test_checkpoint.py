@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,44 @@ def test_safetensors_directory_round_trip(tiny: DeepSeekV4Config, tmp_path: Path
     assert torch.equal(loaded(tokens), model(tokens))
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         load_pretrained(tmp_path / "nowhere")
+
+
+_KILLED_MID_SAVE = """
+import os, pathlib, signal, sys
+from ttnpu.dsv4 import load_pretrained, save_pretrained
+model = load_pretrained(sys.argv[1])
+pathlib.Path.write_text = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # at config.json
+save_pretrained(model, sys.argv[2])
+"""
+
+
+def test_a_save_killed_between_its_two_files_leaves_the_old_pair(
+    tiny: DeepSeekV4Config, tmp_path: Path
+) -> None:
+    old, new = _trained_like(tiny), _trained_like(tiny.replace(vocab_size=101))
+    save_pretrained(old, tmp_path / "model")
+    save_pretrained(new, tmp_path / "new")
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_SAVE, str(tmp_path / "new"), str(tmp_path / "model")],
+        check=False,
+    )
+    assert killed.returncode == -9
+    loaded = load_pretrained(tmp_path / "model")  # not new weights beside the old config
+    assert all(torch.equal(v, old.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+def test_save_replaces_a_pair_and_refuses_a_directory_with_other_files(
+    tiny: DeepSeekV4Config, tmp_path: Path
+) -> None:
+    target = tmp_path / "model"
+    save_pretrained(_trained_like(tiny), target)
+    (target / "model-00002-of-00002.safetensors").write_bytes(b"")  # a stale shard
+    new = _trained_like(tiny.replace(vocab_size=101))
+    save_pretrained(new, target)
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # nothing left beside it
+    assert load_pretrained(target).config == new.config
+    (target / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
+        save_pretrained(_trained_like(tiny), target)
+    assert load_pretrained(target).config == new.config

@@ -75,6 +75,20 @@ def test_loss_is_main_plus_weighted_mtp_balance_and_indexer_terms(
     assert torch.isfinite(full.loss(tokens, labels))
 
 
+def test_mtp_is_not_trained_where_its_input_label_is_ignored(tiny: DeepSeekV4Config) -> None:
+    model = DeepSeekV4(tiny.replace(n_mtp_layers=1))
+    tokens = torch.randint(0, tiny.vocab_size, (1, 16))
+    labels = torch.roll(tokens, -1, 1)
+    labels[0, 14] = -100  # position 14's MTP input is a placeholder; its target is labels[15]
+    losses = []
+    for target in range(4):
+        labels[0, 15] = target  # also position 15's MTP input, whose own target is past the end
+        with torch.no_grad():
+            losses.append(model.losses(tokens, labels).mtp)
+    for loss in losses[1:]:
+        torch.testing.assert_close(loss, losses[0], atol=1e-6, rtol=1e-6)
+
+
 def test_bad_tokens_are_rejected(tiny: DeepSeekV4Config) -> None:
     model = DeepSeekV4(tiny)
     with pytest.raises(ValueError, match="LongTensor"):

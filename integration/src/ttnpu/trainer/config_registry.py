@@ -7,8 +7,9 @@ passes ``--module`` for you and defaults ``--config`` to ``dsv4_debug``.
 - ``dsv4_debug``: the tiny DeepSeek-V4 on the bundled corpus; a few minutes on 2 CPU cores.
 - ``dsv4_small``: the benchmark-sized flavor, same data, longer sequences.
 - ``dsv4_flash``: DeepSeek-V4 Flash, for an accelerator cluster with its own tokenizer and data.
-- ``dsv4_flash_ft``: one replica group of the reference experiments' 128-die recipe (two groups
-  of 64 dies, each FSDP 64 x EP 64); the torchft switches join it with the ttnpu-ft wiring.
+- ``dsv4_flash_ft``: the layout of one replica group of the reference experiments' two-replica,
+  128-die recipe (FSDP 64 x EP 64, checkpoints every 100 steps). It has no fault tolerance yet:
+  torchft and the second replica group come with the ttnpu-ft wiring (planned).
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ def dsv4_flash() -> DSV4Trainer.Config:
 
 
 def dsv4_flash_ft() -> DSV4Trainer.Config:
-    """One replica group of the 128-die experiment: Flash on 64 dies, FSDP 64 x EP 64,
-    checkpointing every 100 steps (what a rejoining replica heals from)."""
+    """``dsv4_flash`` laid out as one replica group of the two-replica, 128-die reference recipe:
+    64 dies, FSDP 64 x EP 64, checkpointing every 100 steps. No fault tolerance yet (no torchft,
+    one group): that comes with the ttnpu-ft wiring (planned)."""
     config = dsv4_flash()
     config.parallelism = ParallelismConfig(data_parallel_shard_degree=64, expert_parallel_degree=64)
     config.checkpoint.interval = 100

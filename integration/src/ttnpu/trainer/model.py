@@ -87,8 +87,9 @@ class DeepSeekV4LM(BaseModel):
 
 
 def parallelize(model: nn.Module, *, parallel_dims: ParallelDims, **_: Any) -> nn.Module:
-    """One rank per replica group: data parallelism across groups comes from torchft's replica
-    groups; sharding inside a group (FSDP/TP/EP/CP/PP) is not wired in this trainer yet."""
+    """One rank per replica group: data parallelism across groups is to come from torchft's
+    replica groups (the ttnpu-ft wiring, planned); sharding inside a group (FSDP/TP/EP/CP/PP)
+    is not wired in this trainer yet."""
     degrees = {
         name: getattr(parallel_dims, name)
         for name in ("dp_shard", "dp_replicate", "tp", "cp", "pp", "ep")

@@ -9,13 +9,33 @@ from typing import Any, Literal
 
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from .corpus import register_dataset
 from .platform import Platform, activate, detect
 
-__all__ = ["DSV4Trainer"]
+__all__ = ["DSV4Trainer", "init_optimizer_state"]
+
+
+def init_optimizer_state(optimizers: OptimizersContainer) -> None:
+    """Give every parameter its optimizer state now, as a fresh optimizer would hold it.
+
+    Parameters that get no gradient (during DeepSeek-V4's dense indexer warm-up only the
+    lightning indexers train, on their KL loss) would otherwise have no state in a checkpoint,
+    while a restore initialises and expects state for all: resuming would fail on a missing
+    key. torchtitan's ``state_dict`` creates the state with a zero-gradient, zero-lr step,
+    which also counts a step; the count goes back to 0 so that the first real update has its
+    full bias-corrected size (counted as step 2, AdamW's would be ~0.74x)."""
+    optimizers.state_dict()
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif step is not None:
+                state["step"] = 0
 
 
 class DSV4Trainer(Trainer):
@@ -37,11 +57,7 @@ class DSV4Trainer(Trainer):
         self.platform = activate(detect(config.device))
         register_dataset()
         super().__init__(config)
-        # Give every parameter its optimizer state now (a zero-lr step that leaves the weights as
-        # they are). Parameters that never get a gradient (DeepSeek-V4's lightning indexer: its
-        # top-k is not differentiable) would otherwise have no state in a checkpoint, while a
-        # restore initialises and expects state for all: resuming would fail on a missing key.
-        self.optimizers.state_dict()
+        init_optimizer_state(self.optimizers)
 
     def train_step(
         self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]

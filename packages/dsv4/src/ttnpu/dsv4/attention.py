@@ -95,11 +95,13 @@ class Attention(nn.Module):
             flat_q = q.reshape(batch, seq_len * self.n_heads, -1)
             scores.append(torch.bmm(flat_q, entries.transpose(1, 2)).view(*q.shape[:3], -1))
             masks.append(reads.unsqueeze(-2))
+        # Softmax and sink in fp32 whatever the activation dtype (the report's precision recipe);
+        # the probabilities are cast back for the value matmuls.
         logits = [
-            (score * self.softmax_scale).masked_fill(~mask, float("-inf"))
+            (score.float() * self.softmax_scale).masked_fill(~mask, float("-inf"))
             for score, mask in zip(scores, masks, strict=True)
         ]
-        sink = self.attn_sink.to(q.dtype).view(1, 1, -1, 1).expand(*q.shape[:3], 1)
+        sink = self.attn_sink.float().view(1, 1, -1, 1).expand(*q.shape[:3], 1)
         probs = torch.softmax(torch.cat((*logits, sink), dim=-1), dim=-1)
         indexer_loss = None
         if index is not None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -148,15 +149,43 @@ def load_official_state_dict(
 
 
 def save_pretrained(model: DeepSeekV4, directory: str | os.PathLike[str]) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (official layout) atomically: each file is
-    written beside its destination and renamed into place, so a kill leaves the old one intact."""
+    """Write ``config.json`` and ``model.safetensors`` (official layout) atomically as a pair:
+    both go into a fresh directory beside ``directory``, which then takes its place, so a kill
+    leaves the old pair or the new one, never new weights beside an old config (a kill leaves at
+    most a hidden ``.<name>.*`` directory beside it). An existing ``directory`` must hold only
+    such a pair (stale ``*.safetensors`` shards go with it; other files are refused, since they
+    would be lost). Replacing it takes two renames; a kill between them leaves no ``directory``
+    and the old pair intact in ``.<name>.old-*``."""
     path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
+    if path.is_dir() and (others := sorted(_foreign_files(path))):
+        raise ValueError(f"{path} holds files other than a saved model: {', '.join(others)}")
     tensors = {k: v.detach().contiguous().cpu() for k, v in to_official(model.state_dict()).items()}
-    _atomic_write(path / "model.safetensors", lambda tmp: save_file(tensors, tmp))
     config = json.dumps(model.config.to_hf_config(), indent=2, sort_keys=True)
-    _atomic_write(path / "config.json", lambda tmp: Path(tmp).write_text(config))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.new-"))
+    try:
+        save_file(tensors, staging / "model.safetensors")
+        (staging / "config.json").write_text(config)
+        if path.is_dir() and any(path.iterdir()):
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
+            os.replace(path, old)
+            os.replace(staging, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(staging, path)  # replaces an empty directory too
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return path
+
+
+def _foreign_files(path: Path) -> list[str]:
+    """Entries of a model directory that ``save_pretrained`` does not write."""
+    return [
+        p.name
+        for p in path.iterdir()
+        if not (p.is_file() and (p.name == "config.json" or p.suffix == ".safetensors"))
+    ]
 
 
 def load_pretrained(directory: str | os.PathLike[str]) -> DeepSeekV4:
@@ -175,14 +204,3 @@ def load_pretrained(directory: str | os.PathLike[str]) -> DeepSeekV4:
     model = DeepSeekV4(config)
     load_official_state_dict(model, state, source=str(path))
     return model
-
-
-def _atomic_write(destination: Path, write: Callable[[str], object]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, destination)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

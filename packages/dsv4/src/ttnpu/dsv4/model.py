@@ -279,9 +279,11 @@ class DeepSeekV4(nn.Module):
         mtp = zero
         if self.mtp and tokens.shape[1] > 1:
             main_rope, _ = self._rope_tables(tokens.shape[1], tokens.device)
-            # Position i sees t_{i+1} (= labels[i]) and predicts t_{i+2} (= labels[i+1]).
+            # Position i sees t_{i+1} (= labels[i]) and predicts t_{i+2} (= labels[i+1]); where
+            # labels[i] is ignored it sees a placeholder, so it is not trained there either.
             next_embedding = self.embed(labels.clamp(min=0))
             target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+            target = target.masked_fill(labels == IGNORE_INDEX, IGNORE_INDEX)
             for block in cast(list[MTPBlock], list(self.mtp)):
                 hidden, balance = block.predict(streams, next_embedding, main_rope, tokens)
                 balances += [] if balance is None else [balance]
