@@ -9,7 +9,7 @@ from torchtitan.components.optimizer import default_adamw
 from torchtitan.distributed import ParallelDims
 
 from ttnpu.dsv4 import DeepSeekV4, DeepSeekV4Config
-from ttnpu.trainer.model import DeepSeekV4LM, model_spec, parallelize
+from ttnpu.dsv4.titan import DeepSeekV4LM, model_spec, parallelize
 
 
 def _tokens(seed: int = 0, batch: int = 2, seq_len: int = 32) -> torch.Tensor:

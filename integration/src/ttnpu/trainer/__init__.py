@@ -2,10 +2,11 @@
 
 from importlib.metadata import version
 
+from ttnpu.dsv4.titan import DeepSeekV4LM, model_spec
+
 from .checkpoint import ChecksummedCheckpointManager
 from .config_registry import CONFIGS
 from .corpus import DATASET_NAME, corpus_path, load_corpus, tokenizer_path
-from .model import DeepSeekV4LM, model_spec
 from .platform import Platform, activate, detect
 from .run_folder import CheckpointError, newest_checkpoint, verify_checkpoint, write_checksums
 from .trainer import DSV4Trainer

@@ -21,9 +21,10 @@ from torchtitan.config import TrainingConfig
 from torchtitan.config.configs import DebugConfig, ParallelismConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
+from ttnpu.dsv4.titan import model_spec
+
 from .checkpoint import ChecksummedCheckpointManager
 from .corpus import DATASET_NAME, register_dataset, tokenizer_path
-from .model import model_spec
 from .trainer import DSV4Trainer
 
 __all__ = ["CONFIGS", "dsv4_debug", "dsv4_flash", "dsv4_flash_ft", "dsv4_small"]

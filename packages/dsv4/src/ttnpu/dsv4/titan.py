@@ -1,12 +1,15 @@
-"""DeepSeek-V4 (``ttnpu.dsv4``) as a torchtitan model: config, module, parallelize step, ModelSpec.
+"""DeepSeek-V4 as a torchtitan model: config, module, parallelize step, ModelSpec.
+
+Needs the ``torchtitan`` extra (``pip install ttnpu-dsv4[torchtitan]``); ``import ttnpu.dsv4``
+does not import this module, so the model stays usable without torchtitan.
 
 torchtitan builds a model from a ``BaseModel.Config`` on the meta device, materialises it with
 ``to_empty`` and initialises it with ``init_weights``. :class:`DeepSeekV4LM` is that module: it
-holds one plain-PyTorch :class:`ttnpu.dsv4.DeepSeekV4` and forwards to it. Called with ``labels``
-it returns the model's full training loss (next-token CE + MTP, balance and indexer losses),
-because only the model knows those terms; the trainer (:mod:`ttnpu.trainer.trainer`) calls it
-that way, through ``__call__``, so that module hooks (FSDP, SDC checks, route capture) see
-the forward.
+holds one plain-PyTorch :class:`~ttnpu.dsv4.DeepSeekV4` and forwards to it. Called without
+``labels`` it returns logits (what torchtitan's own ``Trainer`` feeds its loss); called with
+``labels`` it returns the model's full training loss (next-token CE + MTP, balance and indexer
+losses), because only the model knows those terms. A trainer that wants the full loss calls it
+that way, through ``__call__``, so that module hooks (FSDP, checks, route capture) see the forward.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.protocols import BaseModel
 from torchtitan.protocols.model_spec import ModelSpec
 
-from ttnpu.dsv4 import DeepSeekV4, DeepSeekV4Config, update_expert_bias
+from .config import DeepSeekV4Config
+from .model import DeepSeekV4
+from .moe import update_expert_bias
 
 __all__ = ["DeepSeekV4LM", "model_spec", "parallelize", "register_expert_bias_update"]
 
@@ -87,9 +92,10 @@ class DeepSeekV4LM(BaseModel):
 
 
 def parallelize(model: nn.Module, *, parallel_dims: ParallelDims, **_: Any) -> nn.Module:
-    """One rank per replica group: data parallelism across groups is to come from torchft's
-    replica groups (the ttnpu-ft wiring, planned); sharding inside a group (FSDP/TP/EP/CP/PP)
-    is not wired in this trainer yet."""
+    """One rank per model replica. Sharding inside a replica (FSDP/TP/EP/CP/PP) is not wired into
+    torchtitan's build path yet (:mod:`ttnpu.dsv4.parallel` applies FSDP2 + EP to a plain
+    :class:`~ttnpu.dsv4.DeepSeekV4`); replication across ranks comes from the trainer
+    (e.g. torchft replica groups)."""
     degrees = {
         name: getattr(parallel_dims, name)
         for name in ("dp_shard", "dp_replicate", "tp", "cp", "pp", "ep")
@@ -97,7 +103,7 @@ def parallelize(model: nn.Module, *, parallel_dims: ParallelDims, **_: Any) -> n
     }
     if degrees:
         raise ValueError(
-            f"ttnpu-trainer runs DeepSeek-V4 on one rank per replica group; unsupported "
+            f"the torchtitan DeepSeek-V4 runs one rank per model replica; unsupported "
             f"parallelism degrees {degrees} (set them to 1)"
         )
     return model
