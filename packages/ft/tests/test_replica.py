@@ -48,7 +48,7 @@ def in_parallel(fns: list[Callable[[], Any]]) -> list[Any]:
         return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
 
 
-def test_two_replicas_veto_and_sum_moe_counters(
+def test_two_replicas_veto_sum_moe_counters_and_average_the_loss(
     lighthouse: EmbeddedLighthouse, make_model: Any
 ) -> None:
     replicas = in_parallel(
@@ -58,39 +58,52 @@ def test_two_replicas_veto_and_sum_moe_counters(
 
         def train(r: Replica, seed: int, veto_at: int) -> list[Any]:
             gen = torch.Generator().manual_seed(seed)
-            results = []
+            results: list[Any] = []
+            clipped: list[int] = []
             for step in range(3):
+                local: list[torch.Tensor] = []
 
-                def fn(step: int = step) -> None:
-                    r.model(torch.randn(4, 8, generator=gen)).sum().backward()
+                def fn(step: int = step) -> torch.Tensor:
+                    loss = r.model(torch.randn(4, 8, generator=gen)).sum()
+                    loss.backward()
                     if step == veto_at:
                         r.veto.raise_flag("nan in loss")
-                    counters = [m.tokens_per_expert.clone() for m in (r.model[1], r.model[2])]
-                    r.sum_expert_counts()
-                    results.append(
-                        (counters, [m.tokens_per_expert.clone() for m in (r.model[1], r.model[2])])
-                    )
+                    local.extend(m.tokens_per_expert.clone() for m in (r.model[1], r.model[2]))
+                    return loss.detach() + seed  # replicas differ by their seed
 
-                res = r.run_step(fn)
-                results.append(res)
+                res = r.run_step(
+                    fn, average_output=True, before_update=lambda s=step: clipped.append(s)
+                )
+                summed = [m.tokens_per_expert.clone() for m in (r.model[1], r.model[2])]
+                results.append((res, local, summed, list(clipped)))
             return results
 
         out = in_parallel(
             [lambda: train(replicas[0], 1, veto_at=1), lambda: train(replicas[1], 2, veto_at=-1)]
         )
         for results in out:
-            steps = [r for r in results if not isinstance(r, tuple)]
+            steps = [res for res, *_ in results]
             assert [s.committed for s in steps] == [True, False, True]
             assert [s.vetoed for s in steps] == [False, True, False]
             assert all(s.participants == 2 for s in steps)
-            # every counter became the sum of both replicas' counters
-            for local, summed in [r for r in results if isinstance(r, tuple)]:
-                assert all(torch.equal(s, 2 * c) for c, s in zip(local, summed, strict=True))
+            assert results[-1][3] == [0, 2]  # before_update ran on committed steps only
+            for res, local, summed, _ in results:
+                if res.committed:  # every counter became the sum of both replicas' counters
+                    assert all(torch.equal(s, 2 * c) for c, s in zip(local, summed, strict=True))
+                else:  # a discarded step leaves no counts behind
+                    assert not any(s.any() for s in summed)
+        # the averaged output is the same on both replicas: the mean of the two local values
+        for a, b in zip(out[0], out[1], strict=True):
+            assert torch.equal(a[0].output, b[0].output)
         for a, b in zip(
             replicas[0].model.parameters(), replicas[1].model.parameters(), strict=True
         ):
             assert torch.equal(a, b)
         assert replicas[0].manager.current_step() == replicas[1].manager.current_step() == 2
+        replicas[0].set_step(7)
+        assert replicas[0].manager.current_step() == 7
+        with pytest.raises(ValueError, match="step must be >= 0"):
+            replicas[0].set_step(-1)
     finally:
         for r in replicas:
             r.close()

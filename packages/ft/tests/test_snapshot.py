@@ -117,3 +117,54 @@ def test_reserved_extra_names_are_refused(make_model: Any) -> None:
         ReplicaState(
             model, torch.optim.SGD(model.parameters(), lr=0.1), extras={"model": Position()}
         )
+
+
+class NamedStateAdamW:
+    """AdamW whose state dict is keyed by parameter name, as torchtitan's OptimizersContainer
+    presents it (``torch.distributed.checkpoint.state_dict``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        self.param_groups = self.inner.param_groups
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.inner)  # type: ignore[return-value]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.inner, state_dict)  # type: ignore[arg-type]
+
+
+def test_a_name_keyed_optimizer_state_roundtrips_and_is_validated(make_model: Any) -> None:
+    def state(seed: int, steps: int) -> ReplicaState:
+        model = make_model(seed)
+        opt = NamedStateAdamW(model)
+        for _ in range(steps):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return ReplicaState(model, opt)  # type: ignore[arg-type]
+
+    source, target = state(0, 2), state(1, 1)  # both hold state for every parameter
+    target.restore(source.snapshot())
+    assert_same(
+        (target.model.state_dict(), target.optimizer.state_dict()),
+        (source.model.state_dict(), source.optimizer.state_dict()),
+    )
+    bad = source.snapshot()
+    key = next(k for k in bad["optimizer"]["state"] if "weight" in k)
+    bad["optimizer"]["state"][key]["exp_avg"] = torch.zeros(3)
+    before = copy.deepcopy(target.optimizer.state_dict())
+    with pytest.raises(RestoreError, match=rf"optimizer\.state\[{key}\]\.exp_avg: shape"):
+        target.restore(bad)
+    assert_same(target.optimizer.state_dict(), before)

@@ -3,12 +3,18 @@
     ttnpu-train                                # dsv4_debug, bundled corpus, cpu without accelerator
     ttnpu-train --config dsv4_small --training.steps 50
     ttnpu-train --resume runs/20261202-113000  # continue that run from its newest checkpoint
+    ttnpu-train --replicas 2                   # two torchft replica groups and a Lighthouse
 
 A run folder (``<dump_folder>/<timestamp or --run-name>/``, default ``runs/``) holds
 ``command.json`` (the recipe and overrides it was started with), ``checkpoint/step-N/`` and ``tb/``
 (TensorBoard). ``--resume`` reuses the saved recipe and overrides, with any new overrides applied on
 top. Without a launcher the process is a one-rank job (``RANK``/``WORLD_SIZE``/``MASTER_*`` set
 here); under torchrun its environment is used and ``--run-name`` gives all ranks one folder.
+``--replicas N`` runs N replica groups as processes under an embedded Lighthouse
+(:mod:`ttnpu.trainer.launcher`), each in ``<run>/replica_<i>/``.
+
+Exit status: 0 when training finished; 2 for a bad command line, config or checkpoint;
+3 (``EXIT_PERSISTENT_SDC``) for a replica taken out by a persistent silent data corruption.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from .features import EXIT_PERSISTENT_SDC, PersistentSDCError
 from .run_folder import CheckpointError, newest_checkpoint, verify_checkpoint
 
 __all__ = ["main"]
@@ -47,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", type=Path, metavar="RUN_FOLDER", help="continue a run")
     parser.add_argument(
         "--run-name", help="run folder name under --dump_folder (default: a timestamp)"
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="replica groups to start on this host (default 1)"
+    )
+    parser.add_argument(
+        "--min-replicas", type=int, default=1, help="fewest replica groups a step commits with"
     )
     parser.add_argument("--list-configs", action="store_true", help="list recipes and exit")
     parser.add_argument(
@@ -82,11 +95,19 @@ def _new_run_folder(parent: Path, name: str | None) -> Path:
     return run
 
 
-def _plan(args: argparse.Namespace, overrides: list[str]) -> tuple[str, list[str], Path | None]:
-    """(recipe, overrides, run folder to resume or None), from the command line and, with
-    ``--resume``, the run folder's ``command.json``."""
+def _plan(
+    args: argparse.Namespace, overrides: list[str]
+) -> tuple[str, list[str], Path | None, dict[str, int]]:
+    """(recipe, overrides, run folder to resume or None, replica layout), from the command line
+    and, with ``--resume``, the run folder's ``command.json``."""
+    if args.replicas < 1 or not 1 <= args.min_replicas <= args.replicas:
+        raise UsageError(
+            f"--replicas {args.replicas} must be >= 1 and --min-replicas {args.min_replicas} "
+            f"in [1, replicas]"
+        )
+    layout = {"replicas": args.replicas, "min_replicas": args.min_replicas}
     if args.resume is None:
-        return args.config or DEFAULT_CONFIG, overrides, None
+        return args.config or DEFAULT_CONFIG, overrides, None, layout
     run = args.resume
     saved_file = run / _COMMAND_FILE
     if not saved_file.is_file():
@@ -94,11 +115,12 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> tuple[str, list[str
     try:
         saved = json.loads(saved_file.read_text())
         config, saved_overrides = saved["config"], list(saved["overrides"])
+        layout = {k: int(saved.get(k, 1)) for k in layout}
     except (ValueError, KeyError, TypeError) as err:
         raise UsageError(f"--resume {run}: {saved_file} is corrupt ({err})") from err
     if args.config not in (None, config):
         raise UsageError(f"--resume {run}: the run used --config {config}, not {args.config}")
-    return config, [*saved_overrides, *overrides], run
+    return config, [*saved_overrides, *overrides], run, layout
 
 
 def _run(argv: Sequence[str]) -> int:
@@ -109,7 +131,8 @@ def _run(argv: Sequence[str]) -> int:
         for name, fn in CONFIGS.items():
             print(f"{name:16s} {(fn.__doc__ or '').strip().splitlines()[0]}")
         return 0
-    config_name, overrides, resume = _plan(args, overrides)
+    cli_overrides = overrides
+    config_name, overrides, resume, layout = _plan(args, overrides)
     if config_name not in CONFIGS:
         raise UsageError(f"unknown --config {config_name!r}; expected one of {sorted(CONFIGS)}")
 
@@ -122,6 +145,10 @@ def _run(argv: Sequence[str]) -> int:
         tyro_args.append("--help")
     config = ConfigManager().parse_args(tyro_args)  # exits 2 with tyro's message on a bad flag
 
+    if layout["replicas"] > 1:
+        return _launch(
+            config_name, overrides, resume, layout, Path(config.dump_folder), args, cli_overrides
+        )
     if resume is not None:
         # CheckpointError (missing, incomplete or corrupt) before anything is built or changed.
         checkpoints = resume / config.checkpoint.folder
@@ -150,6 +177,9 @@ def _run(argv: Sequence[str]) -> int:
         )
     try:
         trainer.train()
+    except PersistentSDCError as err:
+        print(f"ttnpu-train: {err}; this replica leaves the job", file=sys.stderr)
+        return EXIT_PERSISTENT_SDC
     finally:
         trainer.close()
         import torch.distributed as dist
@@ -159,9 +189,50 @@ def _run(argv: Sequence[str]) -> int:
     return 0
 
 
+def _launch(
+    config_name: str,
+    overrides: list[str],
+    resume: Path | None,
+    layout: dict[str, int],
+    dump_folder: Path,
+    args: argparse.Namespace,
+    new_overrides: list[str],
+) -> int:
+    """``--replicas N``: a run folder holding one sub-folder per replica group."""
+    from .launcher import launch_replicas
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError(
+            "--replicas starts its own processes; under torchrun use --fault_tolerance.enable "
+            "with TORCHFT_LIGHTHOUSE instead"
+        )
+    replicas = layout["replicas"]
+    if resume is not None:
+        run = resume
+        children = [
+            ["--resume", str(run / f"replica_{i}"), *new_overrides] for i in range(replicas)
+        ]
+    else:
+        run = _new_run_folder(dump_folder, args.run_name)
+        (run / _COMMAND_FILE).write_text(
+            json.dumps({"config": config_name, "overrides": overrides, **layout}, indent=2) + "\n"
+        )
+        children = [
+            ["--config", config_name, *overrides, "--dump_folder", str(run),
+             "--run-name", f"replica_{i}"]
+            for i in range(replicas)
+        ]  # fmt: skip
+    print(f"ttnpu-train: {config_name} x {replicas} replicas -> run folder {run}", flush=True)
+    return launch_replicas(run, replicas, layout["min_replicas"], children)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(sys.argv[1:] if argv is None else argv)
     except (UsageError, CheckpointError) as err:
         print(f"ttnpu-train: error: {err}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

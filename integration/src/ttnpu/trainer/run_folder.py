@@ -25,6 +25,7 @@ __all__ = [
     "CHECKSUMS",
     "CheckpointError",
     "newest_checkpoint",
+    "step_of",
     "verify_checkpoint",
     "write_checksums",
 ]
@@ -95,14 +96,20 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def step_of(path: Path) -> int | None:
+    """N for a torchtitan checkpoint folder named ``step-N``, else None."""
+    match = _STEP.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
 def newest_checkpoint(folder: Path) -> Path:
     """The newest complete ``step-N`` checkpoint under ``folder``, verified."""
     if not folder.is_dir():
         raise CheckpointError(f"no checkpoint folder {folder}")
     steps = sorted(
-        (int(m.group(1)), p)
+        (step, p)
         for p in folder.iterdir()
-        if (m := _STEP.fullmatch(p.name)) and (p / ".metadata").is_file()
+        if (step := step_of(p)) is not None and (p / ".metadata").is_file()
     )
     if not steps:
         raise CheckpointError(f"no complete checkpoint (step-N/.metadata) in {folder}")

@@ -1,20 +1,51 @@
-"""torchtitan's Trainer, trained on DeepSeek-V4's own loss, on the device the platform picks."""
+"""torchtitan's Trainer for DeepSeek-V4, with the ttnpu libraries composed into its step.
+
+The step loop is this module's own (torchtitan's ``train_step`` commits unconditionally); the rest
+(model build, parallelisation, optimizer, LR schedule, dataloader, checkpointer, metrics) is
+torchtitan's. One optimizer step:
+
+1. its batches come from the routing schedule (:mod:`ttnpu.trainer.spikes`);
+2. forward and backward run under the SDC checks (:mod:`ttnpu.trainer.sdc_guard`);
+3. the stepper (:mod:`ttnpu.trainer.stepper`) decides: quorum and heal, gradients averaged over
+   the replicas, a veto vote, commit; gradients are clipped and the optimizer and LR schedule move
+   only on a committed step;
+4. a step that was not committed is re-run on the same batches; a committed one is logged, its
+   replica-averaged loss is judged for a spike (which rolls every replica back together), and it
+   is checkpointed when the routing schedule allows.
+"""
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from ttnpu.routing import AnticipatorySchedule, DataExhaustedError, Phase, TrainingStep
+from ttnpu.sdc import SDCEvent
+
 from .corpus import register_dataset
+from .features import (
+    FaultTolerance,
+    PersistentSDCError,
+    SilentDataCorruption,
+    SpikeRecovery,
+)
 from .platform import Platform, activate, detect
+from .sdc_guard import SDCGuard
+from .spikes import Batch, SpikeGuard
+from .steplog import StepLog
+from .stepper import LocalStepper, ReplicaStepper, StepOutcome, Stepper
 
 __all__ = ["DSV4Trainer", "init_optimizer_state"]
 
@@ -39,43 +70,275 @@ def init_optimizer_state(optimizers: OptimizersContainer) -> None:
 
 
 class DSV4Trainer(Trainer):
-    """torchtitan's Trainer with three changes: the device comes from
-    :mod:`ttnpu.trainer.platform` (cpu/gloo when there is no accelerator); the loss is the
-    model's own (``model(tokens, labels=labels)``: next-token CE + MTP, balance and indexer
-    losses) instead of a cross-entropy on the logits; optimizer state exists for every
-    parameter from the start, so checkpoints restore."""
+    """torchtitan's Trainer with the device from :mod:`ttnpu.trainer.platform` (cpu/gloo when
+    there is no accelerator), the model's own loss (``model(tokens, labels=labels)``: next-token
+    CE + MTP, balance and indexer losses), optimizer state for every parameter from the start (so
+    checkpoints restore), and the step loop described in this module's docstring."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
         """Device to train on; "auto" = the available accelerator (cuda, npu), else cpu."""
 
+        fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+        sdc: SilentDataCorruption = field(default_factory=SilentDataCorruption)
+        spike: SpikeRecovery = field(default_factory=SpikeRecovery)
+
     platform: Platform
+    stepper: Stepper
     _progress_start: tuple[int, float] | None = None
 
     def __init__(self, config: Config) -> None:
+        for section in (config.fault_tolerance, config.sdc, config.spike):
+            section.validate()
+        if config.parallelism.pipeline_parallel_degree > 1:
+            raise ValueError("DSV4Trainer does not support pipeline parallelism")
         self.platform = activate(detect(config.device))
         register_dataset()
         super().__init__(config)
         init_optimizer_state(self.optimizers)
+        ft = config.fault_tolerance
+        if ft.enable and ft.replicas > 1:
+            self._shard_data_over_replicas(ft)
+        model = self.model_parts[0]
+        self.replica_id = ft.replica_id if ft.enable else 0
+        run = Path(config.dump_folder)
+        self.step_log = StepLog(run / "steps.jsonl", enabled=torch.distributed.get_rank() == 0)
+        self.sdc = (
+            SDCGuard(
+                config.sdc, model, replica_id=self.replica_id, events_path=run / "sdc_events.jsonl"
+            )
+            if config.sdc.enable
+            else None
+        )
+        self.spikes = SpikeGuard(
+            config.spike, model, self._capture_forward, self.gradient_accumulation_steps
+        )
+        self.stepper = (
+            ReplicaStepper(
+                ft,
+                model,
+                self.optimizers,
+                self.lr_schedulers,
+                train_state=self,
+                device=self.platform.device_type,
+            )
+            if ft.enable
+            else LocalStepper(model, self.optimizers, self.lr_schedulers)
+        )
+        self._grad_norm = torch.tensor(0.0)
+        self._attempt_tokens = 0
+        self._attempt_events: list[SDCEvent] = []
+        self.attempts = 0  # attempts of the step in progress
 
-    def train_step(
-        self, data_iterator: Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]
+    def _shard_data_over_replicas(self, ft: FaultTolerance) -> None:
+        """One data shard per replica group (and per data-parallel rank inside it)."""
+        degree, rank = 1, 0
+        if self.parallel_dims.dp_enabled:
+            mesh = self.parallel_dims.get_mesh("batch")
+            degree, rank = mesh.size(), mesh.get_local_rank()
+        self.dataloader = self.config.dataloader.build(
+            dp_world_size=degree * ft.replicas,
+            dp_rank=ft.replica_id * degree + rank,
+            tokenizer=self.tokenizer,
+            seq_len=self.config.training.seq_len,
+            local_batch_size=self.config.training.local_batch_size,
+        )
+        self.checkpointer.states["dataloader"] = self.dataloader
+
+    # -- the step --------------------------------------------------------------------------------
+    def _capture_forward(self, batch: Batch) -> object:
+        """The forward that anticipatory routing runs to capture a batch's expert choices."""
+        return self.model_parts[0](batch[0]["input"].to(self.device))
+
+    def _forward_backward(self, planned: TrainingStep[Batch], attempt: int) -> torch.Tensor:
+        """Every micro-batch of the step (under route replay and the SDC checks); returns the
+        step's mean loss over this replica's valid tokens."""
+        step = self.step + 1  # after the quorum: a heal has set self.step
+        self.spikes.maybe_inject(step)
+        tokens_before = self.ntokens_seen
+        valid = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in planned.microbatches)
+        global_valid = torch.tensor(valid, device=self.device)
+        if self.parallel_dims.dp_enabled:
+            global_valid = dist_utils.dist_sum_tensor(
+                global_valid, self.parallel_dims.get_mesh("batch")
+            )
+        loss = torch.zeros((), device=self.device)
+        watch = self.sdc.watch(step, attempt) if self.sdc is not None else nullcontext()
+        with watch:
+            for i, (input_dict, labels) in enumerate(planned.microbatches):
+                inputs = {k: v.to(self.device) for k, v in input_dict.items()}
+                with planned.replay(i):
+                    part = self.forward_backward_step(
+                        input_dict=inputs,
+                        labels=labels.to(self.device),
+                        global_valid_tokens=global_valid,
+                    )
+                loss += part.detach()
+        self._attempt_tokens = self.ntokens_seen - tokens_before
+        if self.parallel_dims.dp_cp_enabled:
+            loss = torch.tensor(
+                dist_utils.dist_sum(loss, self.parallel_dims.get_optional_mesh("loss")),
+                device=self.device,
+            )
+        if self.sdc is not None and (events := self.sdc.after_backward(attempt, loss)):
+            self._attempt_events = events
+            where = ", ".join(sorted({f"{e.kind} at {e.where}" for e in events}))
+            self.stepper.raise_flag(f"SDC on replica {self.replica_id}: {where}")
+        return loss
+
+    def _before_update(self) -> None:
+        """On the committed, replica-averaged gradients: clip, as torchtitan does."""
+        self._grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()],
+            self.config.training.max_norm,
+            foreach=True,
+            pp_mesh=None,
+            ep_enabled=self.parallel_dims.ep_enabled,
+        )
+        self.checkpointer.maybe_wait_for_staging()
+
+    def _commit(self, planned: TrainingStep[Batch]) -> StepOutcome:
+        """Run the step until it commits: a discarded attempt (veto, lost peer) changes nothing
+        and is re-run on the same batches; a re-run corrupted again ends this replica."""
+        limit = self.config.fault_tolerance.max_attempts
+        heals = self.stepper.heals
+        for attempt in range(1, limit + 1):
+            self.attempts = attempt
+            self._attempt_events = []
+
+            def forward_backward(attempt: int = attempt) -> torch.Tensor:
+                return self._forward_backward(planned, attempt)
+
+            outcome = self.stepper.run(forward_backward, self._before_update)
+            if self.stepper.heals > heals:
+                heals = self.stepper.heals
+                self.step_log.write(event="heal", step=self.step, replica=self.replica_id)
+            if outcome.committed:
+                return outcome
+            self.ntokens_seen -= self._attempt_tokens
+            events = self._attempt_events
+            self.step_log.write(
+                event="discarded", step=self.step + 1, attempt=attempt,
+                vetoed=outcome.vetoed, recovered=outcome.recovered, sdc_events=len(events),
+                replica=self.replica_id,
+            )  # fmt: skip
+            if attempt > 1 and SDCGuard.corrupted(events):
+                raise PersistentSDCError(
+                    f"replica {self.replica_id}: step {self.step + 1} was corrupted again when "
+                    f"re-run (attempt {attempt}); the fault is persistent"
+                )
+        raise RuntimeError(
+            f"step {self.step + 1} was discarded {limit} times in a row "
+            f"(fault_tolerance.max_attempts); giving up"
+        )
+
+    def _roll_back(self, onset: int) -> AnticipatorySchedule[Batch]:
+        """Restore the newest checkpoint before ``onset`` and start anticipatory routing."""
+        folder = Path(self.checkpointer.folder)
+        plan = self.spikes.plan(folder, onset)
+        spiked_at = self.step
+        self.checkpointer.load(step=plan.target.step)
+        self.stepper.set_step(self.step)
+        discarded = self.spikes.discard_after(plan)
+        self.spikes.detector.reset()
+        schedule = self.spikes.schedule(self.dataloader, self.step)
+        if self.config.spike.anticipatory:
+            schedule.trigger()
+        logger.warning(
+            f"loss spike (onset step {onset}, seen at step {spiked_at}): rolled back to step "
+            f"{self.step}; routing phase {schedule.phase.name}"
+        )
+        self.step_log.write(
+            event="rollback", onset=onset, detected_at=spiked_at, step=self.step,
+            discarded=[str(p) for p in discarded], replica=self.replica_id,
+        )  # fmt: skip
+        return schedule
+
+    # -- the loop --------------------------------------------------------------------------------
+    def train(self) -> None:
+        config = self.config
+        self.checkpointer.load(step=config.checkpoint.load_step)
+        self.stepper.set_step(self.step)
+        loaded_step = self.step
+        logger.info(f"Training starts at step {self.step + 1}")
+        self.step_log.write(event="start", step=self.step, replica=self.replica_id)
+        schedule = self.spikes.schedule(self.dataloader, self.step)
+        with config.profiler.build(
+            global_step=self.step, base_folder=config.dump_folder
+        ) as profiler:
+            while self.step < config.training.steps:
+                self.gc_handler.run(self.step + 1)
+                lr_metrics = self.lr_schedulers.get_metrics()
+                loaded = time.perf_counter()
+                try:
+                    planned = schedule.next_step()
+                except DataExhaustedError:
+                    logger.warning("Ran out of data; stopping.")
+                    break
+                self.metrics_processor.data_loading_times.append(time.perf_counter() - loaded)
+                outcome = self._commit(planned)
+                schedule.finish_step()
+                self.step += 1
+                if schedule.phase is Phase.NORMAL:
+                    schedule.step = self.step  # a heal may have moved the step forward
+                assert outcome.loss is not None
+                loss = float(outcome.loss)
+                self._record(outcome, loss, schedule.phase, lr_metrics)
+                onset = self.spikes.observe(self.step, loss)
+                if onset is not None:
+                    schedule = self._roll_back(onset)
+                    continue
+                if schedule.checkpoint_allowed:
+                    self.checkpointer.save(self.step, last_step=self.step == config.training.steps)
+                if config.validator.enable and self.validator.should_validate(self.step):
+                    self.validator.validate(self.model_parts, self.step)
+                profiler.step()
+                if self.step - loaded_step == 1:
+                    dist_utils.set_pg_timeouts(
+                        timeout=timedelta(seconds=config.comm.train_timeout_seconds),
+                        parallel_dims=self.parallel_dims,
+                    )
+        logger.info("Training completed")
+
+    def _record(
+        self, outcome: StepOutcome, loss: float, phase: Phase, lr: dict[str, float]
     ) -> None:
-        """torchtitan's step, then a progress line (step of total, elapsed, time left) whenever
-        torchtitan logs the step's metrics."""
+        """The committed step in ``steps.jsonl``, torchtitan's metrics and the progress line."""
+        if not math.isfinite(loss):
+            raise RuntimeError(f"loss is not finite ({loss}) at committed step {self.step}")
+        grad_norm = float(self._grad_norm)
+        self.step_log.write(
+            step=self.step, loss=loss, grad_norm=grad_norm, phase=phase.value,
+            attempts=self.attempts, participants=outcome.participants,
+            replica=self.replica_id, **lr,
+        )  # fmt: skip
+        self.metrics_processor.ntokens_since_last_log += self._attempt_tokens
         if self._progress_start is None:
             self._progress_start = (self.step - 1, time.monotonic())
-        super().train_step(data_iterator)
-        if self.metrics_processor.should_log(self.step):
-            first, start = self._progress_start
-            elapsed = time.monotonic() - start
-            total = self.config.training.steps
-            left = elapsed / (self.step - first) * (total - self.step)
-            logger.info(
-                f"progress: step {self.step}/{total} ({100 * self.step / total:.0f}%), "
-                f"{elapsed:.0f}s elapsed, ~{left:.0f}s left"
-            )
+        if not self.metrics_processor.should_log(self.step):
+            return
+        extra = {
+            "n_tokens_seen": self.ntokens_seen,
+            "ft/participants": outcome.participants,
+            "step/attempts": self.attempts,
+            **lr,
+        }
+        self.metrics_processor.log(self.step, loss, loss, grad_norm, extra_metrics=extra)
+        first, start = self._progress_start
+        elapsed = time.monotonic() - start
+        total = self.config.training.steps
+        left = elapsed / max(self.step - first, 1) * (total - self.step)
+        logger.info(
+            f"progress: step {self.step}/{total} ({100 * self.step / total:.0f}%), "
+            f"{elapsed:.0f}s elapsed, ~{left:.0f}s left"
+        )
+
+    def close(self) -> None:
+        stepper = getattr(self, "stepper", None)
+        if stepper is not None:
+            stepper.close()
+        super().close()
 
     def _forward_backward_body(
         self,

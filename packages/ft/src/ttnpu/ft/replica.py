@@ -96,9 +96,10 @@ class Replica:
     """A model + optimizer trained as one torchft replica group.
 
     ``run_step(fn)``: quorum (and heal, applied on this thread) -> ``fn()`` (forward/backward) ->
-    gradient all-reduce across replicas -> veto vote -> ``should_commit`` -> optimizer and LR
-    scheduler step under the recovery lock. A discarded step cleans the training site; its data is
-    skipped, the LR scheduler does not move.
+    gradient all-reduce across replicas -> MoE token counters summed across replicas -> veto vote
+    -> ``should_commit`` -> optimizer and LR scheduler step under the recovery lock. A discarded
+    step cleans the training site and the LR scheduler does not move; whether its data is retried
+    or skipped is the caller's choice.
     """
 
     def __init__(
@@ -197,8 +198,31 @@ class Replica:
         """Sum MoE ``tokens_per_expert`` counters across replicas (call before the bias update)."""
         return sum_expert_counts_across_replicas(self.manager, self.model)
 
-    def run_step(self, fn: Callable[[], Any]) -> StepResult:
-        """One fault-tolerant step; ``fn`` runs forward and backward (its result is returned)."""
+    def set_step(self, step: int) -> None:
+        """Align torchft's step counter with a training step loaded from a checkpoint (a resume or
+        a rollback), on every replica alike: the quorum heals replicas behind the highest step."""
+        if step < 0:
+            raise ValueError(f"Replica.set_step: step must be >= 0, got {step}")
+        self.manager.load_state_dict({"step": step, "batches_committed": step})
+
+    def _average(self, value: torch.Tensor) -> torch.Tensor:
+        averaged = value.detach().to(torch.float32).clone()
+        self.manager.allreduce(averaged).wait()
+        return averaged
+
+    def run_step(
+        self,
+        fn: Callable[[], Any],
+        *,
+        average_output: bool = False,
+        before_update: Callable[[], None] | None = None,
+    ) -> StepResult:
+        """One fault-tolerant step; ``fn`` runs forward and backward (its result is returned).
+
+        With ``average_output`` the result (a tensor, e.g. the loss) comes back averaged over the
+        participating replicas, so every replica logs and judges the same value.
+        ``before_update`` runs after the vote on a committed step, just before the optimizer
+        (gradient clipping on the replica-averaged gradients)."""
         if self._closed:
             raise RuntimeError("Replica.run_step after close()")
         t0 = time.perf_counter()
@@ -218,6 +242,9 @@ class Replica:
             self.recovery.guard("allreduce_gradients", self.allreduce_gradients)
             t2 = time.perf_counter()
             timings["allreduce"] = t2 - t1
+            self.recovery.guard("sum_expert_counts", self.sum_expert_counts)
+            if average_output:
+                output = self.recovery.guard("average_output", lambda: self._average(output))
             # A peer that dies between the all-reduce and the vote is caught here too.
             vetoed = self.recovery.guard("veto", self.veto.vote)
         except Exception as error:
@@ -238,7 +265,7 @@ class Replica:
         committed = self.manager.should_commit()
         timings["vote_commit"] = time.perf_counter() - t2
         if committed:
-            self.recovery.apply_update(self._update)
+            self.recovery.apply_update(lambda: self._update(before_update))
         else:
             self.recovery.discard()
         return StepResult(
@@ -251,7 +278,9 @@ class Replica:
             timings=timings,
         )
 
-    def _update(self) -> None:
+    def _update(self, before_update: Callable[[], None] | None) -> None:
+        if before_update is not None:
+            before_update()
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()

@@ -147,6 +147,27 @@ def _rehydrate_optimizer_state(snap: Any, param: torch.Tensor) -> Any:
     return snap
 
 
+def _is_indexed(optimizer_state: Mapping[str, Any]) -> bool:
+    """torch.optim's layout (state keyed by parameter index), as opposed to a state dict keyed
+    by parameter name (torchtitan's ``OptimizersContainer``, ``get_optimizer_state_dict``)."""
+    return set(optimizer_state) == {"state", "param_groups"}
+
+
+def _rehydrate_like(live: Any, snap: Any) -> Any:
+    """``snap`` (validated against ``live``) with tensors on the live devices and DTensor leaves
+    turned back into DTensors laid out like the live ones."""
+    if isinstance(live, DTensor):
+        local = snap["local"].to(live.to_local().device)
+        return DTensor.from_local(local, live.device_mesh, live.placements, run_check=False)
+    if isinstance(live, torch.Tensor):
+        return snap.to(live.device)
+    if isinstance(live, Mapping):
+        return {key: _rehydrate_like(live[key], snap[key]) for key in live}
+    if isinstance(live, list | tuple):
+        return type(live)(_rehydrate_like(a, b) for a, b in zip(live, snap, strict=True))
+    return snap
+
+
 class ReplicaState:
     """What a replica carries over: model, optimizer, optional LR scheduler, named stateful extras.
 
@@ -194,6 +215,9 @@ class ReplicaState:
 
     def _check_optimizer(self, snap: Any, errors: list[str]) -> None:
         live = self.optimizer.state_dict()
+        if not _is_indexed(live):  # keyed by parameter name: every leaf is checked as it is
+            _check(live, snap, "optimizer", errors)
+            return
         if not isinstance(snap, Mapping) or set(snap) != {"state", "param_groups"}:
             errors.append(
                 f"optimizer: expected keys ['param_groups', 'state'], got {_describe(snap)}"
@@ -244,6 +268,12 @@ class ReplicaState:
         self.check(snap)
         with torch.no_grad():
             _copy_into(self.model.state_dict(), snap["model"])
+        live = self.optimizer.state_dict()
+        if not _is_indexed(live):
+            self.optimizer.load_state_dict(_rehydrate_like(live, snap["optimizer"]))
+            for name, part in self._parts().items():
+                part.load_state_dict(snap[name])
+            return
         params = self._params_by_id()
         optimizer_snap = {
             "param_groups": snap["optimizer"]["param_groups"],

@@ -1,0 +1,171 @@
+"""The trainer's feature switches: the ``fault_tolerance``, ``sdc`` and ``spike`` config sections.
+
+Each is a section of :class:`~ttnpu.trainer.DSV4Trainer.Config`, set like any torchtitan option
+(``--fault_tolerance.enable``, ``--sdc.checksums always``, ``--spike.enable``). The ``inject_*``
+fields plant a real fault (a bit flip in a matmul output, a corruption of the weights) at a given
+step, for the e2e tests and the fault drills; they are off by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "EXIT_PERSISTENT_SDC",
+    "FaultTolerance",
+    "PersistentSDCError",
+    "SilentDataCorruption",
+    "SpikeRecovery",
+]
+
+EXIT_PERSISTENT_SDC = 3
+"""Exit status of a replica taken out for a persistent silent data corruption: a step re-run on it
+was corrupted again (the hardware, not a transient upset). The other replicas go on without it."""
+
+
+class PersistentSDCError(RuntimeError):
+    """A re-run of a vetoed step was corrupted again on this replica."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultTolerance:
+    """One torchft replica group per process group (ttnpu-ft): quorum, heal, commit veto."""
+
+    enable: bool = False
+    """Train as a torchft replica group (needs a Lighthouse; ``ttnpu-train --replicas N`` starts
+    one)."""
+
+    replica_id: int = 0
+    """This replica group's id, in [0, replicas)."""
+
+    replicas: int = 1
+    """Number of replica groups; the data is split into this many shards, one per group."""
+
+    lighthouse: str = ""
+    """Lighthouse address (``http://host:port``); empty: the ``TORCHFT_LIGHTHOUSE`` variable."""
+
+    min_replicas: int = 1
+    """Fewest replica groups a step may commit with."""
+
+    collective_timeout_seconds: float = 10.0
+    """A cross-replica collective that takes longer is stopped and the step discarded."""
+
+    quorum_timeout_seconds: float = 120.0
+    """How long a quorum (and a heal) may take."""
+
+    step_timeout_seconds: float = 0.0
+    """Watchdog over one forward+backward; 0 turns it off."""
+
+    max_attempts: int = 8
+    """A step that is discarded this many times in a row stops the run with an error."""
+
+    def validate(self) -> None:
+        if self.replicas < 1 or not 0 <= self.replica_id < self.replicas:
+            raise ValueError(
+                f"fault_tolerance.replica_id {self.replica_id} must be in [0, replicas = "
+                f"{self.replicas})"
+            )
+        if not 1 <= self.min_replicas <= self.replicas:
+            raise ValueError(
+                f"fault_tolerance.min_replicas {self.min_replicas} must be in [1, replicas = "
+                f"{self.replicas}]"
+            )
+        for name in ("collective_timeout_seconds", "quorum_timeout_seconds"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"fault_tolerance.{name} must be > 0, got {getattr(self, name)}")
+        if self.step_timeout_seconds < 0:
+            raise ValueError(
+                f"fault_tolerance.step_timeout_seconds must be >= 0, got "
+                f"{self.step_timeout_seconds}"
+            )
+        if self.max_attempts < 2:
+            raise ValueError(f"fault_tolerance.max_attempts must be >= 2, got {self.max_attempts}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SilentDataCorruption:
+    """Detection (ttnpu-sdc) and its action: a detection vetoes the step on every replica and the
+    step is re-run with checksums on; corrupted again means a persistent fault, and the replica
+    exits with :data:`EXIT_PERSISTENT_SDC`."""
+
+    enable: bool = True
+    """Watch this replica's computation."""
+
+    checksums: Literal["always", "escalate", "off"] = "escalate"
+    """Matmul checksums in forward and backward: on every step; only while gradient statistics
+    have escalated (and on every re-run); or only on re-runs."""
+
+    gradient: bool = True
+    """Gradient feature-value detection at every optimizer step (before the cross-replica
+    all-reduce, so the replica that produced a bad gradient is the one that notices)."""
+
+    gradient_warmup_steps: int = 10
+    """Normal steps a gradient's statistics need before it can be judged."""
+
+    inject_step: int = 0
+    """Flip a bit of one matmul output at this step (0: never)."""
+
+    inject_replica: int = 0
+    """The replica id that gets the fault."""
+
+    inject_persistent: bool = False
+    """Corrupt every attempt of the step (a broken unit) rather than the first only."""
+
+    inject_bit: int = 30
+    """The bit flipped (30: the top exponent bit of an fp32 value)."""
+
+    def validate(self) -> None:
+        if self.gradient_warmup_steps < 1:
+            raise ValueError(
+                f"sdc.gradient_warmup_steps must be >= 1, got {self.gradient_warmup_steps}"
+            )
+        if self.inject_step < 0 or self.inject_replica < 0:
+            raise ValueError("sdc.inject_step and sdc.inject_replica must be >= 0")
+        if self.inject_step and not self.enable:
+            raise ValueError("sdc.inject_step needs sdc.enable (nothing would detect the fault)")
+
+
+@dataclass(kw_only=True, slots=True)
+class SpikeRecovery:
+    """Loss-spike detection, rollback to the newest checkpoint before the spike's onset, and
+    anticipatory routing afterwards (ttnpu-routing). Every replica judges the same
+    replica-averaged loss, so all roll back together."""
+
+    enable: bool = False
+    """Watch the loss and roll back on a spike."""
+
+    warmup_steps: int = 100
+    """Steps of loss history before a spike can be called."""
+
+    z_threshold: float = 6.0
+    """A step whose loss is this many standard deviations above the forecast is a spike."""
+
+    cooldown_steps: int = 500
+    """Committed steps after a rollback during which no new spike is called."""
+
+    anticipatory: bool = True
+    """After a rollback, route with expert choices computed ``delay_steps`` updates ahead."""
+
+    delay_steps: int = 16
+    """How far ahead routes are computed (Δt)."""
+
+    active_steps: int = 500
+    """Steps trained on anticipated routes before draining back to live routing."""
+
+    inject_step: int = 0
+    """Corrupt the weights (seeded noise, the same on every replica) just before this step, once
+    (0: never): the loss spikes, and the rollback removes the corruption."""
+
+    inject_scale: float = 1.0
+    """Noise standard deviation, relative to each weight tensor's own."""
+
+    def validate(self) -> None:
+        if self.warmup_steps < 2:
+            raise ValueError(f"spike.warmup_steps must be >= 2, got {self.warmup_steps}")
+        if self.z_threshold <= 0 or self.cooldown_steps < 0:
+            raise ValueError("spike.z_threshold must be > 0 and spike.cooldown_steps >= 0")
+        if self.delay_steps < 0 or self.active_steps < 1:
+            raise ValueError("spike.delay_steps must be >= 0 and spike.active_steps >= 1")
+        if self.inject_step < 0 or self.inject_scale <= 0:
+            raise ValueError("spike.inject_step must be >= 0 and spike.inject_scale > 0")

@@ -1,0 +1,115 @@
+"""ttnpu-sdc inside the training step: what is checked on each attempt and what a detection means.
+
+Every detection (a matmul whose checksum is wrong, a gradient whose statistics jump, a non-finite
+loss) is written to ``sdc_events.jsonl`` in the run folder and vetoes the step on every replica,
+so nothing corrupted is committed anywhere. The step is then re-run on the same batches with the
+checksums on: a clean re-run commits (the fault was transient); a re-run whose matmuls are
+corrupted again proves a persistent fault, and this replica leaves the job
+(:data:`~ttnpu.trainer.features.EXIT_PERSISTENT_SDC`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+
+from ttnpu.sdc import (
+    BitFlip,
+    ChecksumMode,
+    ChecksumSwitch,
+    EventLog,
+    FaultPlan,
+    GradientDetector,
+    LogAction,
+    MatmulFaultMode,
+    Reporter,
+    SDCConfig,
+    SDCEvent,
+    VetoFlag,
+)
+
+from .features import SilentDataCorruption
+
+__all__ = ["SDCGuard"]
+
+
+class SDCGuard:
+    """The detectors of one replica, their events, and the injected fault when one is planned."""
+
+    def __init__(
+        self,
+        config: SilentDataCorruption,
+        model: torch.nn.Module,
+        *,
+        replica_id: int,
+        events_path: Path,
+    ) -> None:
+        self.config = config
+        self.replica_id = replica_id
+        self.switch = ChecksumSwitch(on=config.checksums == "always")
+        self.flag = VetoFlag()
+        self.log = EventLog(events_path)
+        self.reporter = Reporter([LogAction(), self.log, self.flag], rank=replica_id)
+        self.detector = (
+            GradientDetector(
+                model.named_parameters(),
+                SDCConfig(warmup_steps=config.gradient_warmup_steps),
+                reporter=self.reporter,
+                switch=self.switch,
+                group=None,
+            )
+            if config.gradient
+            else None
+        )
+        self.injected = 0
+
+    def _checking(self, attempt: int) -> bool:
+        if attempt > 1:
+            return True
+        return self.config.checksums != "off" and self.switch.is_on()
+
+    def _fault(self, step: int, attempt: int) -> FaultPlan | None:
+        c = self.config
+        due = step == c.inject_step and self.replica_id == c.inject_replica
+        if not due or (attempt > 1 and not c.inject_persistent):
+            return None
+        return FaultPlan(flips=[BitFlip(index=0, bit=c.inject_bit)], phase="forward")
+
+    @contextmanager
+    def watch(self, step: int, attempt: int) -> Iterator[None]:
+        """Around the forward+backward of an attempt: the planned fault (outermost, so the
+        checks see it) and the matmul checksums when they are on."""
+        self.reporter.step = step
+        with ExitStack() as stack:
+            plan = self._fault(step, attempt)
+            if plan is not None:
+                stack.enter_context(MatmulFaultMode(plan))
+            if self._checking(attempt):
+                stack.enter_context(ChecksumMode(reporter=self.reporter, switch=_ALWAYS))
+            yield
+            if plan is not None:
+                self.injected += plan.fired
+
+    def after_backward(self, attempt: int, loss: torch.Tensor) -> list[SDCEvent]:
+        """Judge the attempt's gradients (first attempts only: a re-run is judged by its
+        checksums) and loss; returns every event of the attempt."""
+        if not torch.isfinite(loss).all():
+            self.reporter.report(
+                "gradient", "loss", magnitude=float("inf"), confirmed=False,
+                detail={"loss": float(loss)},
+            )  # fmt: skip
+        elif attempt == 1 and self.detector is not None:
+            self.detector.check()
+        return self.flag.take()
+
+    @staticmethod
+    def corrupted(events: list[SDCEvent]) -> bool:
+        """Whether ``events`` prove corrupted computation (a confirmed checksum mismatch)."""
+        return any(e.kind == "matmul" and e.confirmed for e in events)
+
+
+_ALWAYS = ChecksumSwitch(on=True)
+"""Checks every matmul while ``ChecksumMode`` is entered (entering is the guard's decision)."""

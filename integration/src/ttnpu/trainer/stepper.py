@@ -1,0 +1,161 @@
+"""How one optimizer step is decided: alone, or as a torchft replica group.
+
+The trainer hands a stepper the step's forward+backward and a pre-update hook (gradient clipping);
+the stepper decides whether the update happens. :class:`LocalStepper` commits unless someone raised
+a flag during the step. :class:`ReplicaStepper` is :class:`ttnpu.ft.Replica`: quorum and heal,
+gradients averaged over the replicas, a veto vote, torchft's commit, and an LR scheduler that only
+moves on a committed step (torchtitan's fault-tolerant trainer steps it on discarded steps too).
+Either way a step that is not committed leaves the weights, the optimizer and the LR untouched
+and the training site clean, so the trainer can re-run it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+
+from ttnpu.ft import Replica, ReplicaConfig, clean_training_site
+
+from .features import FaultTolerance
+
+__all__ = ["LocalStepper", "ReplicaStepper", "StepOutcome", "Stepper"]
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    committed: bool
+    loss: torch.Tensor | None  # averaged over the participating replicas
+    vetoed: bool = False
+    recovered: bool = False
+    participants: int = 1
+
+
+class Stepper(Protocol):
+    @property
+    def heals(self) -> int:
+        """How often this replica's state was replaced by a live peer's."""
+
+    def raise_flag(self, reason: str) -> None:
+        """Ask for the current step to be discarded (on every replica)."""
+
+    def run(
+        self, fn: Callable[[], torch.Tensor], before_update: Callable[[], None]
+    ) -> StepOutcome: ...
+
+    def set_step(self, step: int) -> None:
+        """The training step was loaded from a checkpoint (resume, rollback)."""
+
+    def close(self) -> None: ...
+
+
+class LocalStepper:
+    """Without torchft: the process group's ranks commit together unless any rank raised a flag
+    (one MAX all-reduce of the flag when there are several ranks)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizers: OptimizersContainer,
+        lr_schedulers: LRSchedulersContainer,
+    ) -> None:
+        self.model, self.optimizers, self.lr_schedulers = model, optimizers, lr_schedulers
+        self.heals = 0
+        self._reasons: list[str] = []
+
+    def raise_flag(self, reason: str) -> None:
+        self._reasons.append(reason)
+
+    def run(self, fn: Callable[[], torch.Tensor], before_update: Callable[[], None]) -> StepOutcome:
+        self.optimizers.zero_grad(set_to_none=True)
+        self._reasons.clear()
+        loss = fn()
+        flag = torch.tensor([float(bool(self._reasons))], device=loss.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            clean_training_site(self.model, (self.optimizers,))
+            return StepOutcome(committed=False, loss=loss, vetoed=True)
+        before_update()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        return StepOutcome(committed=True, loss=loss)
+
+    def set_step(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class ReplicaStepper:
+    """This process as (one rank of) a torchft replica group, through :class:`ttnpu.ft.Replica`.
+
+    ``train_state`` (the trainer: step, tokens seen) travels with the weights, optimizer and LR
+    scheduler when a rejoining replica heals from a live one. Under torchrun the group's ranks
+    share the launcher's store (``MASTER_ADDR``/``MASTER_PORT``)."""
+
+    def __init__(
+        self,
+        config: FaultTolerance,
+        model: torch.nn.Module,
+        optimizers: OptimizersContainer,
+        lr_schedulers: LRSchedulersContainer,
+        *,
+        train_state: Any,
+        device: str,
+    ) -> None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.replica = Replica(
+            ReplicaConfig(
+                replica_id=config.replica_id,
+                lighthouse=config.lighthouse or None,
+                min_replica_size=config.min_replicas,
+                device=device,
+                collective_timeout=timedelta(seconds=config.collective_timeout_seconds),
+                step_timeout=(
+                    timedelta(seconds=config.step_timeout_seconds)
+                    if config.step_timeout_seconds
+                    else None
+                ),
+                timeout=timedelta(seconds=config.quorum_timeout_seconds),
+                quorum_timeout=timedelta(seconds=config.quorum_timeout_seconds),
+                group_rank=int(os.environ.get("RANK", "0")),
+                group_world_size=world,
+                store_addr=os.environ.get("MASTER_ADDR") if world > 1 else None,
+                store_port=int(os.environ["MASTER_PORT"]) if world > 1 else None,
+            ),
+            model,
+            optimizers,
+            lr_scheduler=lr_schedulers,
+            extras={"train_state": train_state},
+        )
+
+    def raise_flag(self, reason: str) -> None:
+        self.replica.veto.raise_flag(reason)
+
+    def run(self, fn: Callable[[], torch.Tensor], before_update: Callable[[], None]) -> StepOutcome:
+        result = self.replica.run_step(fn, average_output=True, before_update=before_update)
+        return StepOutcome(
+            committed=result.committed,
+            loss=result.output,
+            vetoed=result.vetoed,
+            recovered=result.recovered,
+            participants=result.participants,
+        )
+
+    @property
+    def heals(self) -> int:
+        return self.replica.heals
+
+    def set_step(self, step: int) -> None:
+        self.replica.set_step(step)
+
+    def close(self) -> None:
+        self.replica.close()
