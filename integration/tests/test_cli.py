@@ -124,3 +124,26 @@ def test_resume_from_a_bit_flipped_checkpoint_names_the_file_and_changes_nothing
     assert main(["--resume", str(run)]) == 2
     assert f"{data.name} does not match its SHA-256 (corrupt)" in capsys.readouterr().err
     assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--replicas", "0"], "--replicas 0 must be >= 1"),
+        (["--replicas", "2", "--min-replicas", "3"], "--min-replicas 3 in [1, replicas]"),
+    ],
+)
+def test_a_bad_replica_layout_is_named(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_replicas_under_torchrun_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--replicas", "2", "--dump_folder", str(tmp_path)]) == 2
+    assert "under torchrun use --fault_tolerance.enable" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -44,9 +44,12 @@ def test_dsv4_debug_trains_on_the_bundled_corpus_with_tensorboard_and_checkpoint
 
 
 def test_dsv4_flash_ft_is_one_replica_group_of_64_dies_fsdp_64_by_ep_64() -> None:
-    config = _parse("--config", "dsv4_flash_ft")
+    config = _parse("--config", "dsv4_flash_ft", "--fault_tolerance.replica_id", "1")
     assert config.parallelism.data_parallel_shard_degree == 64
     assert config.parallelism.expert_parallel_degree == 64
+    ft = config.fault_tolerance
+    assert (ft.enable, ft.replicas, ft.replica_id, ft.min_replicas) == (True, 2, 1, 1)
+    assert config.spike.enable and config.sdc.enable
     model = config.model_spec.model if config.model_spec else None
     assert isinstance(model, DeepSeekV4LM.Config) and model.dsv4().n_layers == 43
 
@@ -58,6 +61,25 @@ def test_dotted_overrides_apply_on_top_of_the_recipe() -> None:
     )  # fmt: skip
     assert (config.training.steps, config.device, config.checkpoint.interval) == (7, "cpu", 3)
     assert config.training.seq_len == CONFIGS["dsv4_debug"]().training.seq_len
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (("--fault_tolerance.replica_id", "2"), "replica_id 2 must be in"),
+        (("--fault_tolerance.min_replicas", "2"), "min_replicas 2 must be in"),
+        (("--fault_tolerance.max_attempts", "1"), "max_attempts must be >= 2"),
+        (("--sdc.inject_step", "3", "--sdc.no-enable"), "needs sdc.enable"),
+        (("--spike.warmup_steps", "1"), "warmup_steps must be >= 2"),
+        (("--spike.inject_scale", "0"), "inject_scale > 0"),
+    ],
+)
+def test_feature_switches_are_validated_by_name(override: tuple[str, ...], message: str) -> None:
+    config = _parse("--config", "dsv4_debug", *override)
+    sections = (config.fault_tolerance, config.sdc, config.spike)
+    with pytest.raises(ValueError, match=message):
+        for section in sections:
+            section.validate()
 
 
 def test_a_bad_override_is_rejected_by_name(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -86,4 +87,16 @@ def test_a_config_the_model_rejects_is_a_clear_error_and_leaves_no_run_folder(
     done = _launch(tmp_path, "--training.seq_len", "8192")
     assert done.returncode == 2, done.stderr[-3000:]
     assert "invalid config dsv4_debug: training.seq_len 8192 exceeds" in done.stderr
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+def test_an_unreachable_lighthouse_is_a_clear_error_and_leaves_no_run_folder(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    done = _launch(tmp_path, "--fault_tolerance.enable", "--fault_tolerance.lighthouse", address)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"cannot reach the Lighthouse at {address}" in done.stderr
     assert list((tmp_path / "runs").iterdir()) == []

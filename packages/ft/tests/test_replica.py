@@ -63,7 +63,7 @@ def test_two_replicas_veto_sum_moe_counters_and_average_the_loss(
             for step in range(3):
                 local: list[torch.Tensor] = []
 
-                def fn(step: int = step) -> torch.Tensor:
+                def fn(step: int = step, local: list[torch.Tensor] = local) -> torch.Tensor:
                     loss = r.model(torch.randn(4, 8, generator=gen)).sum()
                     loss.backward()
                     if step == veto_at:

@@ -139,6 +139,8 @@ def _run(argv: Sequence[str]) -> int:
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
 
+    from ttnpu.ft import LighthouseUnreachable
+
     init_logger()
     tyro_args = ["--module", "ttnpu.trainer", "--config", config_name, *overrides]
     if args.help_config:
@@ -167,6 +169,10 @@ def _run(argv: Sequence[str]) -> int:
     single_process_env()
     try:
         trainer = config.build()
+    except LighthouseUnreachable as err:
+        if resume is None and os.environ["RANK"] == "0":
+            shutil.rmtree(run, ignore_errors=True)
+        raise UsageError(str(err)) from err
     except ValueError as err:  # torchtitan and the model validate their configs with ValueError
         if resume is None and os.environ["RANK"] == "0":
             shutil.rmtree(run, ignore_errors=True)  # a run that never started leaves nothing

@@ -7,9 +7,13 @@ passes ``--module`` for you and defaults ``--config`` to ``dsv4_debug``.
 - ``dsv4_debug``: the tiny DeepSeek-V4 on the bundled corpus; a few minutes on 2 CPU cores.
 - ``dsv4_small``: the benchmark-sized flavor, same data, longer sequences.
 - ``dsv4_flash``: DeepSeek-V4 Flash, for an accelerator cluster with its own tokenizer and data.
-- ``dsv4_flash_ft``: the layout of one replica group of the reference experiments' two-replica,
-  128-die recipe (FSDP 64 x EP 64, checkpoints every 100 steps). It has no fault tolerance yet:
-  torchft and the second replica group come with the ttnpu-ft wiring (planned).
+- ``dsv4_flash_ft``: one replica group of the reference experiments' two-replica, 128-die recipe
+  (FSDP 64 x EP 64, checkpoints every 100 steps) as a torchft replica group; launch each group
+  under torchrun with ``TORCHFT_LIGHTHOUSE`` and ``--fault_tolerance.replica_id 0|1``.
+
+Every recipe carries the feature switches (``--fault_tolerance.*``, ``--sdc.*``, ``--spike.*``,
+see :mod:`ttnpu.trainer.features`): SDC detection is on everywhere (gradient statistics, checksums
+on escalation and on re-runs), loss-spike rollback on the Flash recipes.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from ttnpu.dsv4.titan import model_spec
 
 from .checkpoint import ChecksummedCheckpointManager
 from .corpus import DATASET_NAME, register_dataset, tokenizer_path
+from .features import FaultTolerance, SpikeRecovery
 from .trainer import DSV4Trainer
 
 __all__ = ["CONFIGS", "dsv4_debug", "dsv4_flash", "dsv4_flash_ft", "dsv4_small"]
@@ -96,16 +101,18 @@ def dsv4_flash() -> DSV4Trainer.Config:
             initial_load_model_only=False,
         ),
         debug=DebugConfig(seed=0),
+        spike=SpikeRecovery(enable=True),
     )
 
 
 def dsv4_flash_ft() -> DSV4Trainer.Config:
-    """``dsv4_flash`` laid out as one replica group of the two-replica, 128-die reference recipe:
-    64 dies, FSDP 64 x EP 64, checkpointing every 100 steps. No fault tolerance yet (no torchft,
-    one group): that comes with the ttnpu-ft wiring (planned)."""
+    """``dsv4_flash`` as one of the two replica groups of the 128-die reference recipe: 64 dies,
+    FSDP 64 x EP 64, checkpointing every 100 steps, torchft with a Lighthouse from
+    ``TORCHFT_LIGHTHOUSE``; pass ``--fault_tolerance.replica_id``."""
     config = dsv4_flash()
     config.parallelism = ParallelismConfig(data_parallel_shard_degree=64, expert_parallel_degree=64)
     config.checkpoint.interval = 100
+    config.fault_tolerance = FaultTolerance(enable=True, replicas=2, min_replicas=1)
     return config
 
 

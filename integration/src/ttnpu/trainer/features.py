@@ -157,7 +157,7 @@ class SpikeRecovery:
     """Corrupt the weights (seeded noise, the same on every replica) just before this step, once
     (0: never): the loss spikes, and the rollback removes the corruption."""
 
-    inject_scale: float = 1.0
+    inject_scale: float = 10.0
     """Noise standard deviation, relative to each weight tensor's own."""
 
     def validate(self) -> None:

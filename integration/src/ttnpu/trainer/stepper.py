@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 
-from ttnpu.ft import Replica, ReplicaConfig, clean_training_site
+from ttnpu.ft import Replica, ReplicaConfig, check_lighthouse, clean_training_site
 
 from .features import FaultTolerance
 
@@ -112,10 +112,11 @@ class ReplicaStepper:
         device: str,
     ) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        lighthouse = check_lighthouse(config.lighthouse or None)
         self.replica = Replica(
             ReplicaConfig(
                 replica_id=config.replica_id,
-                lighthouse=config.lighthouse or None,
+                lighthouse=lighthouse,
                 min_replica_size=config.min_replicas,
                 device=device,
                 collective_timeout=timedelta(seconds=config.collective_timeout_seconds),

@@ -148,8 +148,12 @@ class DSV4Trainer(Trainer):
 
     # -- the step --------------------------------------------------------------------------------
     def _capture_forward(self, batch: Batch) -> object:
-        """The forward that anticipatory routing runs to capture a batch's expert choices."""
-        return self.model_parts[0](batch[0]["input"].to(self.device))
+        """The forward that anticipatory routing runs to capture a batch's expert choices: the
+        training forward (with labels, so the MTP modules' routers run too)."""
+        input_dict, labels = batch
+        return self.model_parts[0](
+            input_dict["input"].to(self.device), labels=labels.to(self.device)
+        )
 
     def _forward_backward(self, planned: TrainingStep[Batch], attempt: int) -> torch.Tensor:
         """Every micro-batch of the step (under route replay and the SDC checks); returns the
@@ -213,7 +217,14 @@ class DSV4Trainer(Trainer):
             outcome = self.stepper.run(forward_backward, self._before_update)
             if self.stepper.heals > heals:
                 heals = self.stepper.heals
-                self.step_log.write(event="heal", step=self.step, replica=self.replica_id)
+                moved = {}
+                if isinstance(self.stepper, ReplicaStepper):
+                    replica = self.stepper.replica
+                    moved = {
+                        "bytes": replica.last_heal_bytes,
+                        "restore_seconds": replica.last_heal_seconds,
+                    }
+                self.step_log.write(event="heal", step=self.step, replica=self.replica_id, **moved)
             if outcome.committed:
                 return outcome
             self.ntokens_seen -= self._attempt_tokens
@@ -271,11 +282,15 @@ class DSV4Trainer(Trainer):
                 self.gc_handler.run(self.step + 1)
                 lr_metrics = self.lr_schedulers.get_metrics()
                 loaded = time.perf_counter()
+                warming_up = schedule.phase is Phase.WARMUP
                 try:
                     planned = schedule.next_step()
                 except DataExhaustedError:
                     logger.warning("Ran out of data; stopping.")
                     break
+                if warming_up:
+                    captured = [planned.step, *schedule.queued_steps]
+                    self.step_log.write(event="warmup", step=self.step, captured=captured)
                 self.metrics_processor.data_loading_times.append(time.perf_counter() - loaded)
                 outcome = self._commit(planned)
                 schedule.finish_step()
@@ -284,13 +299,19 @@ class DSV4Trainer(Trainer):
                     schedule.step = self.step  # a heal may have moved the step forward
                 assert outcome.loss is not None
                 loss = float(outcome.loss)
-                self._record(outcome, loss, schedule.phase, lr_metrics)
+                self._record(outcome, loss, planned.phase, lr_metrics)
                 onset = self.spikes.observe(self.step, loss)
                 if onset is not None:
                     schedule = self._roll_back(onset)
                     continue
+                last = self.step == config.training.steps
                 if schedule.checkpoint_allowed:
-                    self.checkpointer.save(self.step, last_step=self.step == config.training.steps)
+                    self.checkpointer.save(self.step, last_step=last)
+                elif last:
+                    logger.warning(
+                        f"the last step {self.step} is not checkpointed: anticipatory routing is "
+                        f"still in {planned.phase.name} (checkpoints are written in NORMAL only)"
+                    )
                 if config.validator.enable and self.validator.should_validate(self.step):
                     self.validator.validate(self.model_parts, self.step)
                 profiler.step()
@@ -304,7 +325,8 @@ class DSV4Trainer(Trainer):
     def _record(
         self, outcome: StepOutcome, loss: float, phase: Phase, lr: dict[str, float]
     ) -> None:
-        """The committed step in ``steps.jsonl``, torchtitan's metrics and the progress line."""
+        """The committed step (and the routing phase it trained in) in ``steps.jsonl``,
+        torchtitan's metrics and the progress line."""
         if not math.isfinite(loss):
             raise RuntimeError(f"loss is not finite ({loss}) at committed step {self.step}")
         grad_norm = float(self._grad_norm)

@@ -10,7 +10,7 @@ from importlib.metadata import version
 
 from ttnpu.ft.devices import CpuAdapter, CudaAdapter, DeviceAdapter, NpuAdapter, select_adapter
 from ttnpu.ft.hccl import ProcessGroupHCCL
-from ttnpu.ft.lighthouse import EmbeddedLighthouse
+from ttnpu.ft.lighthouse import EmbeddedLighthouse, LighthouseUnreachable, check_lighthouse
 from ttnpu.ft.moe_balance import expert_counters, sum_expert_counts_across_replicas
 from ttnpu.ft.npu import NpuRuntime
 from ttnpu.ft.recovery import CollectiveTimeout, RecoveryLimitExceeded, StepRecovery
@@ -33,6 +33,7 @@ __all__ = [
     "DeviceAdapter",
     "EmbeddedLighthouse",
     "LRScheduler",
+    "LighthouseUnreachable",
     "NpuAdapter",
     "NpuRuntime",
     "ProcessGroupHCCL",
@@ -49,6 +50,7 @@ __all__ = [
     "StepStateOwner",
     "WatchdogToken",
     "__version__",
+    "check_lighthouse",
     "clean_training_site",
     "expert_counters",
     "select_adapter",

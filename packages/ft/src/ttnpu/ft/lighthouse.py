@@ -6,9 +6,40 @@ server in-process and to be sure it stops with the job.
 
 from __future__ import annotations
 
+import os
+import socket
 from types import TracebackType
+from urllib.parse import urlsplit
 
 from torchft.coordination import LighthouseServer
+
+__all__ = ["EmbeddedLighthouse", "LighthouseUnreachable", "check_lighthouse"]
+
+
+class LighthouseUnreachable(ConnectionError):
+    """No Lighthouse address was given, or nothing answers at it."""
+
+
+def check_lighthouse(address: str | None = None, timeout: float = 5.0) -> str:
+    """The Lighthouse address (``address`` or ``TORCHFT_LIGHTHOUSE``), checked to accept a TCP
+    connection within ``timeout`` seconds: torchft would otherwise retry until its quorum timeout
+    and fail deep inside the Manager."""
+    address = address or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+    if not address:
+        raise LighthouseUnreachable(
+            "no Lighthouse address: pass one or set TORCHFT_LIGHTHOUSE (http://host:port)"
+        )
+    parts = urlsplit(address if "://" in address else f"http://{address}")
+    if parts.hostname is None or parts.port is None:
+        raise LighthouseUnreachable(f"Lighthouse address {address!r} is not http://host:port")
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=timeout):
+            pass
+    except OSError as err:
+        raise LighthouseUnreachable(
+            f"cannot reach the Lighthouse at {address} within {timeout:g} s ({err})"
+        ) from err
+    return address
 
 
 class EmbeddedLighthouse:

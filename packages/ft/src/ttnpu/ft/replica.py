@@ -135,6 +135,7 @@ class Replica:
             store_addr, store_port = "localhost", self._store.port
         self.heals = 0
         self.last_heal_seconds = 0.0
+        self.last_heal_bytes = 0
         self.manager = Manager(
             pg=self.pg,
             load_state_dict=self._load_snapshot,
@@ -160,6 +161,10 @@ class Replica:
         self.state.restore(snapshot)
         self.heals += 1
         self.last_heal_seconds = time.perf_counter() - start
+        leaves = torch.utils._pytree.tree_leaves(snapshot)
+        self.last_heal_bytes = sum(
+            t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)
+        )
 
     # -- the step ----------------------------------------------------------------------------------
     def allreduce_gradients(self) -> None:
@@ -205,7 +210,12 @@ class Replica:
             raise ValueError(f"Replica.set_step: step must be >= 0, got {step}")
         self.manager.load_state_dict({"step": step, "batches_committed": step})
 
-    def _average(self, value: torch.Tensor) -> torch.Tensor:
+    def _average(self, value: Any) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"run_step(average_output=True) needs fn to return a tensor, got "
+                f"{type(value).__name__}"
+            )
         averaged = value.detach().to(torch.float32).clone()
         self.manager.allreduce(averaged).wait()
         return averaged

@@ -1,0 +1,236 @@
+"""The trainer under real faults: real ``ttnpu-train`` processes, a real torchft Lighthouse.
+
+Two replica groups of the debug DeepSeek-V4 on gloo. A replica is killed with SIGKILL and a new
+process rejoins; a bit flip is injected into one replica's matmul (once, or on every attempt);
+the weights are corrupted to make the loss spike. The tests read each replica's ``steps.jsonl``,
+``sdc_events.jsonl`` and final checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from ttnpu.ft import EmbeddedLighthouse
+from ttnpu.trainer.features import EXIT_PERSISTENT_SDC
+from ttnpu.trainer.launcher import replica_args
+from ttnpu.trainer.steplog import read_step_log
+
+pytestmark = pytest.mark.e2e
+
+SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
+ENV = {
+    **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")},
+    "OMP_NUM_THREADS": "1",
+    "RUST_LOG": "warn",
+}
+
+
+def train(run: Path, *args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+    """``ttnpu-train`` to completion (stdout and stderr kept for the failure message)."""
+    cmd = [sys.executable, "-m", "ttnpu.trainer.cli", "--dump_folder", str(run.parent),
+           "--run-name", run.name, *SMALL, *args]  # fmt: skip
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def steps(folder: Path) -> list[dict[str, Any]]:
+    return [r for r in read_step_log(folder / "steps.jsonl") if "event" not in r]
+
+
+def events(folder: Path, kind: str) -> list[dict[str, Any]]:
+    return [r for r in read_step_log(folder / "steps.jsonl") if r.get("event") == kind]
+
+
+def model_weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a torchtitan DCP checkpoint."""
+    out = scratch / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if k.startswith("model.")}
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def test_a_transient_sdc_is_vetoed_everywhere_and_the_rerun_matches_a_clean_run(
+    tmp_path: Path,
+) -> None:
+    weights_of = ("clean", "faulty")
+    common = ["--replicas", "2", "--min-replicas", "2", "--training.steps", "5",
+              "--checkpoint.interval", "5", "--sdc.checksums", "always"]  # fmt: skip
+    clean = train(tmp_path / "clean", *common)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    faulty = train(
+        tmp_path / "faulty", *common, "--sdc.inject_step", "3", "--sdc.inject_replica", "1"
+    )
+    assert faulty.returncode == 0, faulty.stderr[-3000:]
+    for i in range(2):
+        folder = tmp_path / "faulty" / f"replica_{i}"
+        [discarded] = events(folder, "discarded")
+        assert discarded["step"] == 3 and discarded["attempt"] == 1 and discarded["vetoed"]
+        # only the replica that was hit detected it; the other obeyed its veto
+        assert discarded["sdc_events"] == (1 if i == 1 else 0)
+        assert [r["attempts"] for r in steps(folder)] == [1, 1, 2, 1, 1]
+    # the LR schedule did not move on the discarded attempt: same rates, step by step
+    lrs = {run: [r["lr/AdamW"] for r in steps(tmp_path / run / "replica_1")] for run in weights_of}
+    assert lrs["faulty"] == lrs["clean"]
+    caught = read_step_log(tmp_path / "faulty" / "replica_1" / "sdc_events.jsonl")
+    assert [(e["kind"], e["step"], e["confirmed"]) for e in caught] == [("matmul", 3, True)]
+    weights = {
+        (run, i): model_weights(tmp_path / run / f"replica_{i}" / "checkpoint" / "step-5", tmp_path)
+        for run in weights_of
+        for i in range(2)
+    }
+    assert_same_weights(weights["faulty", 0], weights["faulty", 1])
+    assert_same_weights(weights["faulty", 1], weights["clean", 1])
+
+
+def test_a_persistent_sdc_takes_the_replica_out_and_the_other_goes_on(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    result = train(
+        run, "--replicas", "2", "--min-replicas", "1", "--training.steps", "6",
+        "--checkpoint.interval", "6", "--sdc.checksums", "always", "--sdc.inject_step", "3",
+        "--sdc.inject_replica", "1", "--sdc.inject_persistent",
+    )  # fmt: skip
+    assert result.returncode == EXIT_PERSISTENT_SDC, result.stderr[-3000:]
+    assert "fault is persistent" in result.stderr
+    faulty, survivor = run / "replica_1", run / "replica_0"
+    assert [(e["step"], e["attempt"]) for e in events(faulty, "discarded")] == [(3, 1), (3, 2)]
+    assert max(r["step"] for r in steps(faulty)) == 2  # it never committed step 3
+    done = [r for r in steps(survivor) if r["step"] >= 3]
+    assert [r["step"] for r in done] == [3, 4, 5, 6]
+    assert all(r["participants"] == 1 for r in done)  # committed without the faulty replica
+    assert (survivor / "checkpoint" / "step-6" / ".metadata").is_file()
+
+
+def wait_for(what: str, cond: Callable[[], Any], procs: list[subprocess.Popen[bytes]]) -> Any:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if value := cond():
+            return value
+        for proc in procs:
+            assert proc.poll() is None, f"a replica exited ({proc.returncode}) waiting for {what}"
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[EmbeddedLighthouse]:
+    with EmbeddedLighthouse(
+        min_replicas=1, join_timeout_ms=30_000, heartbeat_timeout_ms=1000
+    ) as lh:
+        yield lh
+
+
+def test_a_killed_replica_leaves_the_other_training_and_a_new_one_rejoins_with_live_state(
+    tmp_path: Path, lighthouse: EmbeddedLighthouse
+) -> None:
+    def start(i: int, name: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "ttnpu.trainer.cli", "--dump_folder", str(tmp_path),
+               "--run-name", name, *SMALL, "--training.steps", "10000",
+               "--checkpoint.interval", "4", "--checkpoint.keep_latest_k", "0",
+               "--fault_tolerance.collective_timeout_seconds", "5",
+               *replica_args(i, 2, 1, lighthouse.address)]  # fmt: skip
+        log = (tmp_path / f"{name}.log").open("w")
+        return subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+
+    first, second = tmp_path / "r0", tmp_path / "r1"
+    procs = [start(0, "r0"), start(1, "r1")]
+    try:
+        wait_for(
+            "2 joint commits",
+            lambda: [r for r in steps(second) if r["participants"] == 2][1:],
+            procs,
+        )
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait()
+        killed_at = max(r["step"] for r in steps(second))
+        alone = wait_for(
+            "the survivor to commit alone",
+            lambda: [r for r in steps(first) if r["step"] > killed_at and r["participants"] == 1][
+                1:
+            ],
+            procs[:1],
+        )
+        assert alone  # it went on without the dead replica
+        procs[1] = start(1, "r1-rejoined")
+        rejoined = tmp_path / "r1-rejoined"
+        [heal] = wait_for("the heal", lambda: events(rejoined, "heal"), procs)
+        assert heal["step"] > killed_at  # live state, newer than anything the dead one had
+        assert heal["bytes"] > 0
+        common = wait_for(
+            "a checkpoint both replicas wrote after the heal",
+            lambda: sorted(
+                {p.parent.name for p in (first / "checkpoint").glob("step-*/ttnpu-sha256.json")}
+                & {
+                    p.parent.name
+                    for p in (rejoined / "checkpoint").glob("step-*/ttnpu-sha256.json")
+                }
+            ),
+            procs,
+        )
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    joint = [r for r in steps(rejoined) if r["participants"] == 2]
+    assert joint and joint[0]["step"] == heal["step"] + 1
+    step = common[0]
+    assert_same_weights(
+        model_weights(first / "checkpoint" / step, tmp_path),
+        model_weights(rejoined / "checkpoint" / step, tmp_path),
+    )
+    # both logged the same loss for every step they committed together
+    losses = {r["step"]: r["loss"] for r in steps(first)}
+    assert all(losses[r["step"]] == r["loss"] for r in joint)
+
+
+def test_a_loss_spike_rolls_both_replicas_back_through_anticipatory_routing(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    result = train(
+        run, "--replicas", "2", "--min-replicas", "2", "--training.steps", "18",
+        "--checkpoint.interval", "2", "--spike.enable", "--spike.warmup_steps", "5",
+        "--spike.inject_step", "10", "--spike.delay_steps", "2", "--spike.active_steps", "3",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    curves = []
+    for i in range(2):
+        folder = run / f"replica_{i}"
+        [rollback] = events(folder, "rollback")
+        assert (rollback["onset"], rollback["detected_at"], rollback["step"]) == (10, 10, 8)
+        [warmup] = events(folder, "warmup")
+        assert warmup["step"] == 8 and warmup["captured"] == [9, 10]
+        done = steps(folder)
+        after = [r for r in done if r["time"] > rollback["time"]]
+        assert [r["step"] for r in after] == list(range(9, 19))
+        phases = [r["phase"] for r in after]
+        assert phases == ["active"] * 3 + ["drain"] * 2 + ["normal"] * 5
+        before = {r["step"]: r["loss"] for r in done if r["time"] < rollback["time"]}
+        spike = before[10]
+        assert spike > 2 * before[9]
+        # step 9 re-trained from the step-8 checkpoint (routes computed with the same weights)
+        # reproduces its first loss exactly; afterwards the loss stays on its pre-spike level
+        assert after[0]["loss"] == before[9]
+        assert max(r["loss"] for r in after) < max(before[s] for s in range(5, 10)) + 1.0
+        assert not (folder / "checkpoint" / "step-10").exists()
+        curves.append([r["loss"] for r in after])
+    assert curves[0] == curves[1]  # both replicas judged and trained on the same averaged loss
