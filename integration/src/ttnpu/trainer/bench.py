@@ -2,9 +2,12 @@
 
 One process, dsv4_debug on the bundled corpus, measured side by side (alternating rounds):
 
-- ``trainer_over_bare_step``: a ``DSV4Trainer.train_step`` (torchtitan's step: batch fetch, loss
-  normalisation, grad clipping, optimizer, LR schedule, expert-bias update, metrics) over a bare
-  loop on the same model and batches (``loss.backward()``, ``AdamW.step()``).
+- ``trainer_over_bare_step``: a ``DSV4Trainer.commit_step`` with the default features (routing
+  schedule, SDC gradient statistics with checksums on escalation, the local stepper, grad
+  clipping, optimizer, LR schedule, expert-bias update) over a bare loop on the same model and
+  batches (``loss.backward()``, ``AdamW.step()``).
+- ``sdc_off_over_bare_step``, ``checksums_always_over_bare_step``: the same trainer step with SDC
+  detection off, and with every matmul checksummed.
 - ``checksum_over_save``: writing the SHA-256 manifest of a checkpoint over the DCP save itself.
 
 Prints one JSON line.
@@ -17,19 +20,24 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from ttnpu.routing import AnticipatorySchedule
+
 from .cli import single_process_env
 from .config_registry import dsv4_debug
 from .run_folder import write_checksums
+from .sdc_guard import SDCGuard
 from .trainer import DSV4Trainer
 
 ROUNDS, STEPS = 3, 3
 Batches = Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]
+Schedule = AnticipatorySchedule[tuple[dict[str, torch.Tensor], torch.Tensor]]
 
 
 def _build(folder: str) -> DSV4Trainer:
@@ -44,11 +52,11 @@ def _build(folder: str) -> DSV4Trainer:
     return trainer
 
 
-def _timed_trainer_steps(trainer: DSV4Trainer, batches: Batches) -> float:
+def _timed_trainer_steps(trainer: DSV4Trainer, schedule: Schedule, sdc: SDCGuard | None) -> float:
+    trainer.sdc = sdc
     start = time.perf_counter()
     for _ in range(STEPS):
-        trainer.step += 1
-        trainer.train_step(batches)
+        trainer.commit_step(schedule)
     return (time.perf_counter() - start) / STEPS
 
 
@@ -65,18 +73,39 @@ def _timed_bare_steps(
     return (time.perf_counter() - start) / STEPS
 
 
+def _ratio(numerators: list[float], denominators: list[float]) -> float:
+    """Median of the per-round ratios (rounds alternate, so drift cancels)."""
+    return round(statistics.median(n / d for n, d in zip(numerators, denominators, strict=True)), 3)
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         trainer = _build(folder)
         try:
-            batches = trainer.batch_generator(trainer.dataloader)
+            schedule = trainer.spikes.schedule(trainer.dataloader, trainer.step)
+            batches = schedule.data
             bare_optimizer = torch.optim.AdamW(trainer.model_parts[0].parameters(), lr=0.0)
-            _timed_trainer_steps(trainer, batches)  # warm-up
+            default = trainer.sdc
+            assert default is not None
+            always = SDCGuard(
+                replace(trainer.config.sdc, checksums="always"),
+                trainer.model_parts[0],
+                replica_id=0,
+                events_path=Path(folder) / "sdc_events.jsonl",
+            )
+            variants: dict[str, SDCGuard | None] = {
+                "trainer": default,
+                "sdc_off": None,
+                "checksums_always": always,
+            }
+            for guard in variants.values():  # warm-up
+                _timed_trainer_steps(trainer, schedule, guard)
             _timed_bare_steps(trainer, batches, bare_optimizer)
-            trainer_s, bare_s = [], []
+            times: dict[str, list[float]] = {name: [] for name in [*variants, "bare"]}
             for _ in range(ROUNDS):
-                trainer_s.append(_timed_trainer_steps(trainer, batches))
-                bare_s.append(_timed_bare_steps(trainer, batches, bare_optimizer))
+                for name, guard in variants.items():
+                    times[name].append(_timed_trainer_steps(trainer, schedule, guard))
+                times["bare"].append(_timed_bare_steps(trainer, batches, bare_optimizer))
 
             state = {
                 "model": trainer.model_parts[0].state_dict(),
@@ -104,17 +133,16 @@ def main() -> None:
                 "model": "dsv4_debug",
                 "tokens_per_step": trainer.config.training.local_batch_size
                 * trainer.config.training.seq_len,
-                "trainer_step_s": round(statistics.median(trainer_s), 3),
-                "bare_step_s": round(statistics.median(bare_s), 3),
-                "trainer_over_bare_step": round(
-                    statistics.median(t / b for t, b in zip(trainer_s, bare_s, strict=True)), 3
-                ),
+                "trainer_step_s": round(statistics.median(times["trainer"]), 3),
+                "bare_step_s": round(statistics.median(times["bare"]), 3),
+                **{
+                    f"{name}_over_bare_step": _ratio(times[name], times["bare"])
+                    for name in ("trainer", "sdc_off", "checksums_always")
+                },
                 "checkpoint_mb": round(checkpoint_mb, 1),
                 "save_s": round(statistics.median(save_s), 3),
                 "checksum_s": round(statistics.median(checksum_s), 3),
-                "checksum_over_save": round(
-                    statistics.median(c / s for c, s in zip(checksum_s, save_s, strict=True)), 3
-                ),
+                "checksum_over_save": _ratio(checksum_s, save_s),
                 "torch_threads": torch.get_num_threads(),
             }
         )

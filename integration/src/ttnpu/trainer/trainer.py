@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -266,6 +267,27 @@ class DSV4Trainer(Trainer):
         )  # fmt: skip
         return schedule
 
+    def commit_step(self, schedule: AnticipatorySchedule[Batch]) -> tuple[Phase, StepOutcome]:
+        """One committed optimizer step on the next batches of ``schedule``; returns the routing
+        phase it trained in and its outcome. Raises ``DataExhaustedError`` when the data ends."""
+        loaded = time.perf_counter()
+        if schedule.phase is Phase.WARMUP:  # capture the routes of the next Δt steps
+            schedule.warm_up()
+            self.step_log.write(event="warmup", step=self.step, captured=schedule.queued_steps)
+        planned = schedule.next_step()
+        self.metrics_processor.data_loading_times.append(time.perf_counter() - loaded)
+        outcome = self._commit(planned)
+        schedule.finish_step()
+        self.step += 1
+        if schedule.phase is Phase.NORMAL:
+            schedule.step = self.step  # a heal may have moved the step forward
+        return planned.phase, outcome
+
+    def train_step(self, data_iterator: Iterator[Batch]) -> None:
+        """torchtitan's step commits unconditionally; this trainer's step is :meth:`commit_step`
+        (batches from a routing schedule, the stepper's commit decision)."""
+        raise TypeError("DSV4Trainer steps with commit_step(schedule), not train_step(iterator)")
+
     # -- the loop --------------------------------------------------------------------------------
     def train(self) -> None:
         config = self.config
@@ -281,25 +303,14 @@ class DSV4Trainer(Trainer):
             while self.step < config.training.steps:
                 self.gc_handler.run(self.step + 1)
                 lr_metrics = self.lr_schedulers.get_metrics()
-                loaded = time.perf_counter()
-                warming_up = schedule.phase is Phase.WARMUP
                 try:
-                    planned = schedule.next_step()
+                    phase, outcome = self.commit_step(schedule)
                 except DataExhaustedError:
                     logger.warning("Ran out of data; stopping.")
                     break
-                if warming_up:
-                    captured = [planned.step, *schedule.queued_steps]
-                    self.step_log.write(event="warmup", step=self.step, captured=captured)
-                self.metrics_processor.data_loading_times.append(time.perf_counter() - loaded)
-                outcome = self._commit(planned)
-                schedule.finish_step()
-                self.step += 1
-                if schedule.phase is Phase.NORMAL:
-                    schedule.step = self.step  # a heal may have moved the step forward
                 assert outcome.loss is not None
                 loss = float(outcome.loss)
-                self._record(outcome, loss, planned.phase, lr_metrics)
+                self._record(outcome, loss, phase, lr_metrics)
                 onset = self.spikes.observe(self.step, loss)
                 if onset is not None:
                     schedule = self._roll_back(onset)
@@ -310,7 +321,7 @@ class DSV4Trainer(Trainer):
                 elif last:
                     logger.warning(
                         f"the last step {self.step} is not checkpointed: anticipatory routing is "
-                        f"still in {planned.phase.name} (checkpoints are written in NORMAL only)"
+                        f"still in {schedule.phase.name} (checkpoints are written in NORMAL only)"
                     )
                 if config.validator.enable and self.validator.should_validate(self.step):
                     self.validator.validate(self.model_parts, self.step)

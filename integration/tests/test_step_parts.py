@@ -1,0 +1,177 @@
+"""The parts of the trainer's step, in-process: the local stepper's commit decision, the SDC guard
+around a real injected bit flip, the spike guard's weight corruption and rollback plan, the step
+log."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torchtitan.components.optimizer import (
+    LRSchedulersContainer,
+    OptimizersContainer,
+    default_adamw,
+)
+
+from ttnpu.trainer import DeepSeekV4LM, SilentDataCorruption, SpikeRecovery, model_spec
+from ttnpu.trainer.sdc_guard import SDCGuard
+from ttnpu.trainer.spikes import SpikeGuard, checkpoint_infos
+from ttnpu.trainer.steplog import StepLog, read_step_log
+from ttnpu.trainer.stepper import LocalStepper
+
+
+def _tiny() -> tuple[torch.nn.Module, OptimizersContainer, LRSchedulersContainer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    optimizers = OptimizersContainer(default_adamw(lr=0.1), model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
+        optimizers=optimizers, training_steps=10
+    )
+    return model, optimizers, schedulers
+
+
+def test_the_local_stepper_commits_unless_a_flag_was_raised() -> None:
+    model, optimizers, schedulers = _tiny()
+    stepper = LocalStepper(model, optimizers, schedulers)
+    before = [p.detach().clone() for p in model.parameters()]
+    lr = schedulers.get_metrics()
+    clipped: list[int] = []
+
+    def vetoed() -> torch.Tensor:
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()
+        stepper.raise_flag("a detector fired")
+        return loss.detach()
+
+    outcome = stepper.run(vetoed, lambda: clipped.append(1))
+    assert not outcome.committed and outcome.vetoed and not clipped
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())  # the training site was cleaned
+    assert schedulers.get_metrics() == lr  # the LR did not move
+
+    def clean() -> torch.Tensor:
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()
+        return loss.detach()
+
+    outcome = stepper.run(clean, lambda: clipped.append(1))
+    assert outcome.committed and clipped == [1]
+    assert not torch.equal(before[0], next(model.parameters()))
+    assert schedulers.get_metrics() != lr
+
+
+@functools.cache
+def _lm() -> DeepSeekV4LM:
+    """One debug model for every test (none of them changes it except the spike test, which
+    restores it)."""
+    torch.manual_seed(0)
+    lm = DeepSeekV4LM(model_spec("debug").model)
+    lm.init_states()
+    return lm
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+
+
+def _step(model: torch.nn.Module, guard: SDCGuard, step: int, attempt: int) -> list[object]:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+    with guard.watch(step, attempt):
+        loss = model(x).square().mean()
+        loss.backward()
+    model.zero_grad()
+    return list(guard.after_backward(attempt, loss.detach()))
+
+
+def test_the_sdc_guard_catches_an_injected_flip_only_where_and_when_planned(tmp_path: Path) -> None:
+    lm = _mlp()
+    config = SilentDataCorruption(checksums="always", inject_step=2, inject_replica=0)
+    guard = SDCGuard(config, lm, replica_id=0, events_path=tmp_path / "events.jsonl")
+    assert _step(lm, guard, step=1, attempt=1) == []  # clean step, checked: nothing
+    caught = _step(lm, guard, step=2, attempt=1)
+    assert guard.injected == 1 and SDCGuard.corrupted(caught)  # type: ignore[arg-type]
+    assert _step(lm, guard, step=2, attempt=2) == []  # transient: the re-run is clean
+    logged = read_step_log(tmp_path / "events.jsonl")
+    assert {e["step"] for e in logged} == {2}  # everything logged, all of it at step 2
+    assert {(e["kind"], e["confirmed"]) for e in logged} >= {("matmul", True)}
+    other = SDCGuard(config, lm, replica_id=1, events_path=tmp_path / "other.jsonl")
+    assert _step(lm, other, step=2, attempt=1) == [] and other.injected == 0
+
+
+def test_a_persistent_flip_corrupts_every_attempt_and_checksums_are_forced_on_reruns(
+    tmp_path: Path,
+) -> None:
+    lm = _mlp()
+    config = SilentDataCorruption(checksums="off", inject_step=1, inject_persistent=True)
+    guard = SDCGuard(config, lm, replica_id=0, events_path=tmp_path / "events.jsonl")
+    first = _step(lm, guard, step=1, attempt=1)  # checksums off: the flip is not seen here
+    assert not SDCGuard.corrupted(first)  # type: ignore[arg-type]
+    again = _step(lm, guard, step=1, attempt=2)
+    assert SDCGuard.corrupted(again) and guard.injected == 2  # type: ignore[arg-type]
+
+
+def test_a_non_finite_loss_is_an_event(tmp_path: Path) -> None:
+    guard = SDCGuard(
+        SilentDataCorruption(gradient=False), _mlp(), replica_id=0, events_path=tmp_path / "e.jsonl"
+    )
+    [event] = guard.after_backward(1, torch.tensor(float("nan")))
+    assert event.where == "loss" and not SDCGuard.corrupted([event])
+
+
+def test_the_planned_spike_corrupts_the_weights_once(tmp_path: Path) -> None:
+    lm = _lm()
+    guard = SpikeGuard(SpikeRecovery(inject_step=3), lm, lambda batch: None, microbatches=1)
+    before = {k: v.clone() for k, v in lm.state_dict().items()}
+    assert not guard.maybe_inject(2)
+    assert guard.maybe_inject(3)
+    changed = [k for k, v in lm.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed and all(lm.state_dict()[k].dim() >= 2 for k in changed)
+    after = {k: v.clone() for k, v in lm.state_dict().items()}
+    assert not guard.maybe_inject(3)  # once: a rollback does not bring it back
+    assert all(torch.equal(v, after[k]) for k, v in lm.state_dict().items())
+    lm.load_state_dict(before)
+
+
+def test_the_rollback_plan_reads_the_parts_from_dcp_metadata(tmp_path: Path) -> None:
+    parts = {"model.w": torch.ones(2), "optimizer.s": torch.ones(2), "lr_scheduler.e": 1,
+             "dataloader.d": torch.ones(1), "train_state.step": 1}  # fmt: skip
+    for step in (2, 4):
+        dcp.save(parts, checkpoint_id=str(tmp_path / f"step-{step}"))
+    dcp.save({"model.w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-6"))  # model only
+    (tmp_path / "step-8").mkdir()  # a save killed midway: no .metadata
+    infos = checkpoint_infos(tmp_path)
+    assert [i.step for i in infos] == [2, 4, 6]
+    guard = SpikeGuard(SpikeRecovery(), _lm(), lambda batch: None, microbatches=1)
+    plan = guard.plan(tmp_path, onset=7)
+    assert plan.target.step == 4 and [i.step for i, _ in plan.skipped] == [6]
+    plan = guard.plan(tmp_path, onset=5)
+    assert plan.target.step == 4
+    deleted = SpikeGuard.discard_after(guard.plan(tmp_path, onset=4))
+    assert sorted(p.name for p in deleted) == ["step-4", "step-6"]
+    assert not (tmp_path / "step-4").exists() and (tmp_path / "step-2").exists()
+
+
+def test_the_step_log_keeps_complete_records_only(tmp_path: Path) -> None:
+    log = StepLog(tmp_path / "steps.jsonl")
+    log.write(step=1, loss=2.0)
+    log.write(event="heal", step=1)
+    with (tmp_path / "steps.jsonl").open("a") as handle:
+        handle.write('{"step": 2, "lo')  # a write cut short by a kill
+    records = read_step_log(tmp_path / "steps.jsonl")
+    assert [(r.get("step"), r.get("event")) for r in records] == [(1, None), (1, "heal")]
+    StepLog(tmp_path / "quiet.jsonl", enabled=False).write(step=1)
+    assert not (tmp_path / "quiet.jsonl").exists()
+
+
+@pytest.mark.parametrize("checksums", ["always", "escalate", "off"])
+def test_first_attempts_are_checked_per_setting_and_reruns_always(
+    checksums: str, tmp_path: Path
+) -> None:
+    config = SilentDataCorruption(checksums=checksums)  # type: ignore[arg-type]
+    guard = SDCGuard(config, _mlp(), replica_id=0, events_path=tmp_path / "e.jsonl")
+    assert guard._checking(1) == (checksums == "always")
+    assert guard._checking(2)
