@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = DeepSeekV4(_config())
-    apply_expert_parallel(model, dist.group.WORLD)
+    apply_expert_parallel(model, mesh)
     apply_fsdp(model, mesh)
     tokens, labels = _batch()
     shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
@@ -93,7 +93,11 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
 
     losses = _train(model, tokens[shard], labels[shard], summed, lambda t: summed(t) / world)
     biases = {n: b.tolist() for n, b in model.named_buffers() if n.endswith("expert_bias")}
-    experts = {n: p.detach().sum().item() for n, p in model.named_parameters() if ".experts.w" in n}
+    experts = {
+        n: p.to_local().detach().sum().item()
+        for n, p in model.named_parameters()
+        if ".experts.w" in n
+    }
     full = {
         n: p.full_tensor().sum().item() for n, p in model.named_parameters() if ".experts." not in n
     }

@@ -31,6 +31,12 @@ def visible_entries(seq_len: int, n_entries: int, ratio: int, device: torch.devi
     return s < (t + 1) // ratio
 
 
+def _fp32_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """``linear(x)`` computed in fp32 even when mixed precision (FSDP's param_dtype) has cast
+    the weight to bf16."""
+    return F.linear(x.float(), linear.weight.float())
+
+
 class Compressor(nn.Module):
     """Projections in fp32; ``overlap`` doubles their width (previous-block | own-block half)."""
 
@@ -51,8 +57,8 @@ class Compressor(nn.Module):
         if n == 0:
             return x.new_zeros(batch, 0, c)
         xs = x[:, : n * m].float()
-        kv = self.wkv(xs).view(batch, n, m, -1)
-        gate = self.wgate(xs).view(batch, n, m, -1) + self.ape
+        kv = _fp32_linear(xs, self.wkv).view(batch, n, m, -1)
+        gate = _fp32_linear(xs, self.wgate).view(batch, n, m, -1) + self.ape.float()
         if self.overlap:
             # Slots [0, m) read block i-1 through the first half; block -1 is empty (gate -inf).
             prev_kv = F.pad(kv[:, :-1, :, :c], (0, 0, 0, 0, 1, 0))
@@ -99,7 +105,7 @@ class Indexer(nn.Module):
         keys = self.compressor(x, rope).float()
         q = self.wq_b(qr).view(batch, seq_len, self.n_heads, self.head_dim)
         q = apply_rope(q, rope).float()
-        weights = self.weights_proj(x.float()) * self.scale
+        weights = _fp32_linear(x.float(), self.weights_proj) * self.scale
         logits = torch.einsum("bshd,bnd->bshn", q, keys).relu()
         index = torch.einsum("bshn,bsh->bsn", logits, weights)
         visible = visible_entries(seq_len, keys.shape[1], self.ratio, x.device)

@@ -3,11 +3,14 @@ sites, hc_head collapse, final norm and head; plus the depth-1 multi-token-predi
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .attention import Attention
 from .config import DeepSeekV4Config
@@ -39,6 +42,33 @@ def _hc_site_params(n: int, dim: int) -> tuple[nn.Parameter, nn.Parameter, nn.Pa
         nn.Parameter(torch.zeros(mix, dtype=torch.float32)),
         nn.Parameter(torch.ones(3, dtype=torch.float32)),
     )
+
+
+@contextmanager
+def _drawn_full_size(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Within: the modules' own DTensor parameters (FSDP or EP shards) are stood in for by plain
+    full-size tensors, so an init draws exactly the random numbers it draws unsharded; on a
+    normal exit each rank copies its shard of them in. Ranks seeded alike get one model, equal
+    to the unsharded init: no DTensor random ops (not shard-exact on every device)."""
+    sharded = [
+        (module, name, param)
+        for module in modules
+        for name, param in module.named_parameters(recurse=False)
+        if isinstance(param, DTensor)
+    ]
+    for module, name, param in sharded:
+        local = param.to_local()
+        stand_in = torch.empty(param.shape, dtype=local.dtype, device=local.device)
+        setattr(module, name, nn.Parameter(stand_in, requires_grad=param.requires_grad))
+    try:
+        yield
+        for module, name, param in sharded:
+            full = getattr(module, name).detach()
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())
+    finally:
+        for module, name, param in sharded:
+            setattr(module, name, param)
 
 
 class Block(nn.Module):
@@ -178,17 +208,21 @@ class DeepSeekV4(nn.Module):
 
     def init_weights(self) -> None:
         """N(0, init_std) matrices, unit norms, zero sinks/ape/bias, mHC scale ``hc_init_scale``,
-        the fixed-seed hash table. Deterministic under ``torch.manual_seed``."""
+        the fixed-seed hash table. Deterministic under ``torch.manual_seed``; a sharded model
+        (FSDP, expert parallel) gets the shards of the unsharded init on every rank, drawn one
+        block at a time at full size."""
         c = self.config
         with torch.no_grad():
-            nn.init.normal_(self.embed.weight, std=c.init_std)
-            nn.init.normal_(self.head.weight, std=c.init_std)
-            self.norm.reset_parameters()
-            nn.init.normal_(self.hc_head_fn, std=c.init_std)
-            nn.init.zeros_(self.hc_head_base)
-            nn.init.constant_(self.hc_head_scale, c.hc_init_scale)
+            with _drawn_full_size([self, self.embed, self.head, *self.norm.modules()]):
+                nn.init.normal_(self.embed.weight, std=c.init_std)
+                nn.init.normal_(self.head.weight, std=c.init_std)
+                self.norm.reset_parameters()
+                nn.init.normal_(self.hc_head_fn, std=c.init_std)
+                nn.init.zeros_(self.hc_head_base)
+                nn.init.constant_(self.hc_head_scale, c.hc_init_scale)
             for block in [*self.layers, *self.mtp]:
-                block.reset_parameters(c.init_std, c.hc_init_scale)
+                with _drawn_full_size(block.modules()):
+                    block.reset_parameters(c.init_std, c.hc_init_scale)
             if not self.main_inv_freq.is_meta:  # recomputed: to_empty() leaves buffers garbage
                 main, compress = self._inv_freqs()
                 self.main_inv_freq.copy_(main)

@@ -10,10 +10,12 @@ of its latest forward) and ``force_indices(indices | None)``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .config import DeepSeekV4Config
 
@@ -28,6 +30,7 @@ __all__ = [
     "gate_scores",
     "grouped_linear",
     "local_dispatch",
+    "local_tensor",
     "swiglu_clamped",
     "update_expert_bias",
 ]
@@ -152,8 +155,34 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return torch.bmm(padded, weight.transpose(-2, -1))[expert, slot]
 
 
+def local_tensor(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a weight: the local shard of a DTensor (differentiably), else itself."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
-    """Routed experts as stacked weights: w1, w3 [E, inter, dim] (gate, up); w2 [E, dim, inter]."""
+    """Routed experts as stacked weights: w1, w3 [E, inter, dim] (gate, up); w2 [E, dim, inter].
+
+    Under expert parallelism the weights are DTensors sharded on dim 0 over the EP mesh; the
+    forward runs this rank's ``local_experts`` of them, and ``grad_scale`` multiplies their
+    gradients (a tensor hook would not survive ``to_empty``). Such experts sit outside FSDP, so
+    ``param_dtype`` (set from FSDP's mixed-precision policy) casts them for the forward."""
+
+    grad_scale: float = 1.0
+    param_dtype: torch.dtype | None = None
 
     def __init__(self, num_experts: int, dim: int, inter_dim: int, swiglu_limit: float) -> None:
         super().__init__()
@@ -162,12 +191,22 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
 
+    @property
+    def local_experts(self) -> int:
+        """How many experts this rank runs (all of them without expert parallelism)."""
+        return int(local_tensor(self.w1).shape[0])
+
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [R, dim] sorted by expert, ``tokens_per_expert`` [E] -> [R, dim]."""
+        """x [R, dim] sorted by local expert, ``tokens_per_expert`` [local_experts] -> [R, dim]."""
+        w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
+        if self.param_dtype is not None:
+            w1, w2, w3 = (w.to(self.param_dtype) for w in (w1, w2, w3))
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        x = x.to(self.w1.dtype)
-        gate, up = grouped_linear(x, self.w1, offsets), grouped_linear(x, self.w3, offsets)
-        return grouped_linear(swiglu_clamped(gate, up, self.swiglu_limit), self.w2, offsets)
+        x = x.to(w1.dtype)
+        gate, up = grouped_linear(x, w1, offsets), grouped_linear(x, w3, offsets)
+        return grouped_linear(swiglu_clamped(gate, up, self.swiglu_limit), w2, offsets)
 
     def reset_parameters(self, std: float) -> None:
         for weight in (self.w1, self.w2, self.w3):

@@ -1,10 +1,14 @@
-"""Expert parallelism (all-to-all token dispatch over a process group) and FSDP2 sharding.
+"""Expert parallelism (all-to-all token dispatch over a device mesh) and FSDP2 sharding.
 
-EP: each rank keeps ``E / ep`` consecutive experts. A MoE layer sorts its (token, expert) pairs by
-expert, exchanges counts, sends the rows to the experts' owners (``all_to_all_single`` with
-autograd), runs its local experts through the grouped matmul, and sends the results back. FSDP2
-shards everything else; expert weights are left out of FSDP (they already differ per rank) and
-their gradients are divided by the data-parallel size so every parameter sees the mean loss.
+EP: each rank keeps ``E / ep`` consecutive experts, as DTensors sharded on the expert dim over
+the EP mesh (so checkpoints and grad-norm clipping see the whole expert tensors). A MoE layer
+sorts its (token, expert) pairs by expert, exchanges counts, sends the rows to the experts'
+owners (``all_to_all_single`` with autograd), runs its local experts through the grouped matmul,
+and sends the results back. FSDP2 shards everything else; EP-sharded expert weights are left out
+of FSDP and their gradients are divided by the EP size so every parameter sees the mean loss.
+
+Both work on a model built on the meta device (only the local experts are allocated); its
+``init_weights`` after ``to_empty`` gives every rank the shards of the unsharded init.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, Shard
 
 from .model import DeepSeekV4
 from .moe import GroupedExperts, MoE
@@ -33,7 +38,7 @@ class ExpertParallelDispatch:
     def __call__(
         self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, experts: GroupedExperts
     ) -> torch.Tensor:
-        local_experts = experts.w1.shape[0]
+        local_experts = experts.local_experts
         flat = indices.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = order // indices.shape[1]
@@ -52,8 +57,8 @@ class ExpertParallelDispatch:
         back = torch.empty_like(out)
         back[by_expert] = out
         outbox = _all_to_all(back, send_splits, recv_splits, self.group)
-        outbox = outbox * weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, outbox)
+        outbox = outbox * weights.reshape(-1)[order].unsqueeze(-1).to(outbox.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, outbox.to(x.dtype))
 
 
 def _all_to_all(
@@ -72,37 +77,53 @@ def _source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
     return torch.argsort(key, stable=True).to(received.device)
 
 
-def apply_expert_parallel(model: DeepSeekV4, group: dist.ProcessGroup) -> None:
-    """Keep this rank's slice of every MoE's experts and switch its dispatch to all-to-all.
+def apply_expert_parallel(model: DeepSeekV4, mesh: DeviceMesh) -> None:
+    """Keep this rank's slice of every MoE's experts (as DTensors sharded over the 1-D ``mesh``)
+    and switch its dispatch to all-to-all over the mesh's group.
 
-    Call on identically initialised full models (same seed on every rank). ``group`` is the whole
+    Works on a model on the meta device (then ``to_empty`` + ``init_weights``) or on identically
+    initialised full models (same seed on every rank). The EP group must be the whole
     data-parallel group (EP = DP): expert gradients, summed over ranks by the all-to-all backward,
     are divided by its size to give the gradient of the mean loss, as FSDP does for the rest."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    dispatch = ExpertParallelDispatch(group)
-    for module in model.modules():
-        if not isinstance(module, MoE):
-            continue
-        if module.num_experts % size:
-            raise ValueError(f"{module.num_experts} experts cannot be split over {size} EP ranks")
-        per_rank = module.num_experts // size
-        experts = module.experts
+    if mesh.ndim != 1:
+        raise ValueError(f"expert parallelism needs a 1-D mesh, got {mesh.ndim}-D {mesh}")
+    size, rank = mesh.size(), mesh.get_local_rank()
+    dispatch = ExpertParallelDispatch(mesh.get_group())
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in moes:
+        if moe.num_experts % size:
+            raise ValueError(f"{moe.num_experts} experts cannot be split over {size} EP ranks")
+        if isinstance(moe.experts.w1, DTensor):
+            raise ValueError("expert parallelism is already applied to this model")
+    for moe in moes:
+        per_rank = moe.num_experts // size
         for name in ("w1", "w2", "w3"):
-            full = getattr(experts, name)
+            full = getattr(moe.experts, name)
             local = full.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
-            setattr(experts, name, nn.Parameter(local))
-            getattr(experts, name).register_hook(lambda grad: grad / size)
-        module.dispatch = dispatch
+            sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+            setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
+        moe.experts.grad_scale = 1.0 / size
+        moe.dispatch = dispatch
 
 
-def apply_fsdp(model: DeepSeekV4, mesh: DeviceMesh) -> None:
-    """FSDP2 per block and at the root; expert weights (EP-sharded already) stay out of it."""
-    experts = {p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+def apply_fsdp(
+    model: DeepSeekV4, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+) -> None:
+    """FSDP2 per block, per MTP block and at the root, with ``mp_policy`` (default: none).
+    Expert weights already sharded by :func:`apply_expert_parallel` stay out of it; they get the
+    policy's ``param_dtype`` as their compute dtype instead."""
+    policy = mp_policy or MixedPrecisionPolicy()
+    ep_sharded = [
+        m for m in model.modules() if isinstance(m, GroupedExperts) and isinstance(m.w1, DTensor)
+    ]
+    experts: set[nn.Parameter] = {p for m in ep_sharded for p in m.parameters()}
+    for module in ep_sharded:
+        module.param_dtype = policy.param_dtype
     for block in model.layers:
-        fully_shard(block, mesh=mesh, ignored_params=experts)
+        fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=experts)
     for mtp in model.mtp:
-        fully_shard(mtp, mesh=mesh, ignored_params=experts)
+        fully_shard(mtp, mesh=mesh, mp_policy=policy, ignored_params=experts)
         register_fsdp_forward_method(mtp, "predict")
-    fully_shard(model, mesh=mesh, ignored_params=experts)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=experts)
     register_fsdp_forward_method(model, "loss")
     register_fsdp_forward_method(model, "losses")

@@ -18,8 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.config.configs import TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.protocols import BaseModel
 from torchtitan.protocols.model_spec import ModelSpec
@@ -27,6 +32,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from .config import DeepSeekV4Config
 from .model import DeepSeekV4
 from .moe import update_expert_bias
+from .parallel import apply_expert_parallel, apply_fsdp
 
 __all__ = ["DeepSeekV4LM", "model_spec", "parallelize", "register_expert_bias_update"]
 
@@ -91,34 +97,86 @@ class DeepSeekV4LM(BaseModel):
         submodules are not torchtitan ``Module``s; only the wrapper itself is."""
 
 
-def parallelize(model: nn.Module, *, parallel_dims: ParallelDims, **_: Any) -> nn.Module:
-    """One rank per model replica. Sharding inside a replica (FSDP/TP/EP/CP/PP) is not wired into
-    torchtitan's build path yet (:mod:`ttnpu.dsv4.parallel` applies FSDP2 + EP to a plain
-    :class:`~ttnpu.dsv4.DeepSeekV4`); replication across ranks comes from the trainer
-    (e.g. torchft replica groups)."""
-    degrees = {
+def parallelize(
+    model: nn.Module,
+    *,
+    parallel_dims: ParallelDims,
+    training: TrainingConfig | None = None,
+    **_: Any,
+) -> nn.Module:
+    """torchtitan's ``parallelize_fn``: expert parallelism over the ``ep`` mesh and FSDP2 over the
+    data-parallel shard mesh, applied to the model built on the meta device (torchtitan then
+    calls ``to_empty`` and ``init_weights``, which give every rank the shards of the unsharded
+    init). EP borrows the whole ``dp_shard`` group (``ep`` is 1 or ``dp_shard``); FSDP params
+    use ``training.mixed_precision_param`` / ``_reduce``. Other parallelisms (tp, cp, pp,
+    dp_replicate; replicas come from the trainer, e.g. torchft groups) raise ValueError."""
+    unsupported = {
         name: getattr(parallel_dims, name)
-        for name in ("dp_shard", "dp_replicate", "tp", "cp", "pp", "ep")
+        for name in ("dp_replicate", "tp", "cp", "pp")
         if getattr(parallel_dims, name) > 1
     }
-    if degrees:
+    if unsupported:
         raise ValueError(
-            f"the torchtitan DeepSeek-V4 runs one rank per model replica; unsupported "
-            f"parallelism degrees {degrees} (set them to 1)"
+            f"the torchtitan DeepSeek-V4 supports FSDP (dp_shard) and expert parallelism (ep) "
+            f"only; unsupported parallelism degrees {unsupported} (set them to 1)"
         )
+    dp_shard, ep = parallel_dims.dp_shard, parallel_dims.ep
+    if ep not in (1, dp_shard):
+        raise ValueError(
+            f"unsupported parallelism degrees {{'dp_shard': {dp_shard}, 'ep': {ep}}}: ep must be "
+            f"1 or equal dp_shard, experts are sharded over the whole FSDP group (FSDP of the "
+            f"experts over the remaining efsdp group is not supported)"
+        )
+    if dp_shard == 1:
+        return model
+    if not isinstance(model, DeepSeekV4LM):
+        raise ValueError(f"parallelize shards a DeepSeekV4LM, got {type(model).__name__}")
+    if ep > 1:
+        apply_expert_parallel(model.model, parallel_dims.get_mesh("ep"))
+    apply_fsdp(model.model, _fsdp_mesh(parallel_dims), _mixed_precision(training))
     return model
 
 
+def _fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
+    """The dense data-parallel shard mesh: ``fsdp`` in torchtitan's ``partial_dtensor``
+    backend, ``dp_shard`` in its ``spmd_types`` and ``full_dtensor`` backends (cp is 1 here)."""
+    name = "fsdp" if parallel_dims.spmd_backend == "partial_dtensor" else "dp_shard"
+    return parallel_dims.get_mesh(name)
+
+
+def _mixed_precision(training: TrainingConfig | None) -> MixedPrecisionPolicy:
+    if training is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+    )
+
+
 def register_expert_bias_update(
-    optimizers: OptimizersContainer, model_parts: list[nn.Module], parallel_dims: ParallelDims
+    optimizers: OptimizersContainer,
+    model_parts: list[nn.Module],
+    parallel_dims: ParallelDims | None,
 ) -> None:
     """After every optimizer step, move each learned-gate MoE's expert bias towards balance
-    from the step's token counts (and reset the counts)."""
+    from the step's token counts (and reset the counts). Under data parallelism the counts are
+    summed over the ``batch`` mesh first, so every rank of the replica applies the same update
+    (``parallel_dims`` None: one rank)."""
+    batch_mesh = None
+    if parallel_dims is not None and parallel_dims.dp_enabled:
+        batch_mesh = parallel_dims.get_optional_mesh("batch")
+
+    def summed(counts: torch.Tensor) -> torch.Tensor:
+        assert batch_mesh is not None
+        counts = counts.clone()
+        dist.all_reduce(counts, group=batch_mesh.get_group())
+        return counts
 
     def update(*_: Any) -> None:
         for part in model_parts:
             assert isinstance(part, DeepSeekV4LM)
-            update_expert_bias(part.model, part.config.expert_bias_rate)
+            reduce = summed if batch_mesh is not None else None
+            update_expert_bias(part.model, part.config.expert_bias_rate, reduce_counts=reduce)
 
     optimizers.register_step_post_hook(update)
 
