@@ -107,7 +107,9 @@ def _run(
     losses, norms = [], []
     for step in range(steps):
         with context():
-            loss = model(tokens, labels)
+            # torchtitan's normalisation: each rank's loss over the global token count (here
+            # equal shares), gradients summed over the ranks by FSDP and the EP all-to-all
+            loss = model(tokens, labels) / world
             loss.backward()
         if step == 0:
             named = dict(model.named_parameters())
@@ -120,7 +122,7 @@ def _run(
         loss = loss.detach()
         if world > 1:
             torch.distributed.all_reduce(loss)
-        losses.append(loss / world)
+        losses.append(loss)
         norms.append(_full(norm))
     record.update(
         losses=torch.stack(losses),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -65,14 +66,24 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
+TWO_REPLICAS = ["--replicas", "2", "--min-replicas", "2", "--training.steps", "5",
+                "--checkpoint.interval", "5", "--sdc.checksums", "always"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two replica groups, five steps, no fault: the reference of the SDC and FSDP tests."""
+    run = tmp_path_factory.mktemp("reference") / "clean"
+    done = train(run, *TWO_REPLICAS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run
+
+
 def test_a_transient_sdc_is_vetoed_everywhere_and_the_rerun_matches_a_clean_run(
-    tmp_path: Path,
+    tmp_path: Path, clean_run: Path
 ) -> None:
-    weights_of = ("clean", "faulty")
-    common = ["--replicas", "2", "--min-replicas", "2", "--training.steps", "5",
-              "--checkpoint.interval", "5", "--sdc.checksums", "always"]  # fmt: skip
-    clean = train(tmp_path / "clean", *common)
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    common = TWO_REPLICAS
+    weights_of = {"clean": clean_run, "faulty": tmp_path / "faulty"}
     faulty = train(
         tmp_path / "faulty", *common, "--sdc.inject_step", "3", "--sdc.inject_replica", "1"
     )
@@ -85,17 +96,43 @@ def test_a_transient_sdc_is_vetoed_everywhere_and_the_rerun_matches_a_clean_run(
         assert discarded["sdc_events"] == (1 if i == 1 else 0)
         assert [r["attempts"] for r in steps(folder)] == [1, 1, 2, 1, 1]
     # the LR schedule did not move on the discarded attempt: same rates, step by step
-    lrs = {run: [r["lr/AdamW"] for r in steps(tmp_path / run / "replica_1")] for run in weights_of}
+    lrs = {
+        name: [r["lr/AdamW"] for r in steps(run / "replica_1")] for name, run in weights_of.items()
+    }
     assert lrs["faulty"] == lrs["clean"]
     caught = read_step_log(tmp_path / "faulty" / "replica_1" / "sdc_events.jsonl")
     assert [(e["kind"], e["step"], e["confirmed"]) for e in caught] == [("matmul", 3, True)]
     weights = {
-        (run, i): model_weights(tmp_path / run / f"replica_{i}" / "checkpoint" / "step-5", tmp_path)
-        for run in weights_of
+        (name, i): model_weights(run / f"replica_{i}" / "checkpoint" / "step-5", tmp_path)
+        for name, run in weights_of.items()
         for i in range(2)
     }
     assert_same_weights(weights["faulty", 0], weights["faulty", 1])
     assert_same_weights(weights["faulty", 1], weights["clean", 1])
+
+
+def test_fsdp_and_expert_parallel_in_one_group_train_like_two_replica_groups(
+    tmp_path: Path, clean_run: Path
+) -> None:
+    """The same two data shards, once as two torchft replica groups (gradients averaged by
+    ttnpu-ft) and once as one group of two ranks (FSDP2 + EP through torchtitan's build path):
+    the same losses and gradient norms, step by step."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(port), "-m", "ttnpu.trainer.cli",
+           "--dump_folder", str(tmp_path), "--run-name", "fsdp", *SMALL,
+           "--training.steps", "5", "--checkpoint.interval", "5",
+           "--parallelism.data_parallel_shard_degree", "2",
+           "--parallelism.expert_parallel_degree", "2"]  # fmt: skip
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sharded, replicated = steps(tmp_path / "fsdp"), steps(clean_run / "replica_0")
+    assert [r["step"] for r in sharded] == [r["step"] for r in replicated] == [1, 2, 3, 4, 5]
+    for a, b in zip(sharded, replicated, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
 
 
 def test_a_persistent_sdc_takes_the_replica_out_and_the_other_goes_on(tmp_path: Path) -> None:

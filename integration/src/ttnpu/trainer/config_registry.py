@@ -54,7 +54,15 @@ def _bundled(
         lr_scheduler=LRSchedulersContainer.Config(
             warmup_steps=warmup, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1
         ),
-        training=TrainingConfig(local_batch_size=batch, seq_len=seq_len, steps=steps, gc_freq=50),
+        # fp32 compute under FSDP too: bf16 matmuls are slow on CPU, and the small recipes are
+        # what the tests compare sharded and unsharded runs with
+        training=TrainingConfig(
+            local_batch_size=batch,
+            seq_len=seq_len,
+            steps=steps,
+            gc_freq=50,
+            mixed_precision_param="float32",
+        ),
         metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=True),
         checkpoint=ChecksummedCheckpointManager.Config(
             enable=True,

@@ -60,6 +60,10 @@ class FaultTolerance:
     max_attempts: int = 8
     """A step that is discarded this many times in a row stops the run with an error."""
 
+    start_barrier: str = ""
+    """A folder where replica groups started together wait for each other before their first
+    quorum (``--replicas N`` sets it); empty: no waiting (a replica that joins a running job)."""
+
     def validate(self) -> None:
         if self.replicas < 1 or not 0 <= self.replica_id < self.replicas:
             raise ValueError(

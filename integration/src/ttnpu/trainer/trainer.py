@@ -42,6 +42,7 @@ from .features import (
     SilentDataCorruption,
     SpikeRecovery,
 )
+from .launcher import wait_at_start_barrier
 from .platform import Platform, activate, detect
 from .sdc_guard import SDCGuard
 from .spikes import Batch, SpikeGuard
@@ -127,6 +128,10 @@ class DSV4Trainer(Trainer):
             if ft.enable
             else LocalStepper(model, self.optimizers, self.lr_schedulers)
         )
+        if ft.enable and ft.start_barrier:
+            wait_at_start_barrier(
+                Path(ft.start_barrier), ft.replica_id, ft.replicas, ft.quorum_timeout_seconds
+            )
         self._grad_norm = torch.tensor(0.0)
         self._attempt_tokens = 0
         self._attempt_events: list[SDCEvent] = []

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.config.configs import TrainingConfig
@@ -31,7 +31,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from .config import DeepSeekV4Config
 from .model import DeepSeekV4
-from .moe import update_expert_bias
+from .moe import GroupedExperts, update_expert_bias
 from .parallel import apply_expert_parallel, apply_fsdp
 
 __all__ = ["DeepSeekV4LM", "model_spec", "parallelize", "register_expert_bias_update"]
@@ -109,7 +109,11 @@ def parallelize(
     calls ``to_empty`` and ``init_weights``, which give every rank the shards of the unsharded
     init). EP borrows the whole ``dp_shard`` group (``ep`` is 1 or ``dp_shard``); FSDP params
     use ``training.mixed_precision_param`` / ``_reduce``. Other parallelisms (tp, cp, pp,
-    dp_replicate; replicas come from the trainer, e.g. torchft groups) raise ValueError."""
+    dp_replicate; replicas come from the trainer, e.g. torchft groups) raise ValueError.
+
+    Gradients are summed over the ranks, not averaged (torchtitan's contract): its trainer
+    already divides every rank's loss by the global number of valid tokens, so FSDP's division
+    and the EP experts' 1/ep scale are turned off here."""
     unsupported = {
         name: getattr(parallel_dims, name)
         for name in ("dp_replicate", "tp", "cp", "pp")
@@ -133,8 +137,21 @@ def parallelize(
         raise ValueError(f"parallelize shards a DeepSeekV4LM, got {type(model).__name__}")
     if ep > 1:
         apply_expert_parallel(model.model, parallel_dims.get_mesh("ep"))
+        for experts in model.modules():
+            if isinstance(experts, GroupedExperts):
+                experts.grad_scale = 1.0
     apply_fsdp(model.model, _fsdp_mesh(parallel_dims), _mixed_precision(training))
+    _sum_gradients(model)
     return model
+
+
+def _sum_gradients(model: nn.Module) -> None:
+    """FSDP reduce-scatters with a plain SUM and divides by nothing (a divide factor of 1 alone
+    would use PREMUL_SUM, which gloo lacks)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def _fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
