@@ -46,13 +46,18 @@ class SDCGuard:
         *,
         replica_id: int,
         events_path: Path,
+        rank: int | None = None,
     ) -> None:
+        """``rank`` stamps the events (default: ``replica_id``): the rank's position in the
+        whole job, over all replica groups."""
         self.config = config
         self.replica_id = replica_id
         self.switch = ChecksumSwitch(on=config.checksums == "always")
         self.flag = VetoFlag()
         self.log = EventLog(events_path)
-        self.reporter = Reporter([LogAction(), self.log, self.flag], rank=replica_id)
+        self.reporter = Reporter(
+            [LogAction(), self.log, self.flag], rank=replica_id if rank is None else rank
+        )
         self.detector = (
             GradientDetector(
                 model.named_parameters(),

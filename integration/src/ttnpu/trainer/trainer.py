@@ -108,7 +108,12 @@ class DSV4Trainer(Trainer):
         self.step_log = StepLog(run / "steps.jsonl", enabled=torch.distributed.get_rank() == 0)
         self.sdc = (
             SDCGuard(
-                config.sdc, model, replica_id=self.replica_id, events_path=run / "sdc_events.jsonl"
+                config.sdc,
+                model,
+                replica_id=self.replica_id,
+                rank=self.replica_id * torch.distributed.get_world_size()
+                + torch.distributed.get_rank(),
+                events_path=run / "sdc_events.jsonl",
             )
             if config.sdc.enable
             else None
