@@ -20,25 +20,7 @@ STEPS, BATCH, SEQ = 3, 4, 24
 
 
 def _config() -> DeepSeekV4Config:
-    return DeepSeekV4Config.from_flavor("debug").replace(
-        vocab_size=128,
-        dim=64,
-        n_layers=4,
-        compress_ratios=(0, 4, 8, 4),
-        n_heads=2,
-        head_dim=32,
-        rope_head_dim=8,
-        q_lora_rank=32,
-        o_lora_rank=16,
-        window_size=8,
-        index_n_heads=2,
-        index_head_dim=16,
-        index_topk=2,
-        n_routed_experts=8,
-        n_activated_experts=2,
-        moe_inter_dim=32,
-        n_hash_layers=1,
-    )
+    return DeepSeekV4Config.from_flavor("micro")
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:

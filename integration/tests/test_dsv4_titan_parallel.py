@@ -25,25 +25,7 @@ STEPS, BATCH, SEQ, SEED, MAX_NORM = 3, 4, 24, 1234, 0.5
 # dp_shard = 2 in each: (ep degree, torchtitan spmd_backend). The backends name the dense shard
 # mesh differently ("dp_shard" / "fsdp"); parallelize must find it under either.
 CASES = {"fsdp2-ep2": (2, "spmd_types"), "fsdp2-ep1-partial-dtensor": (1, "partial_dtensor")}
-OVERRIDES: dict[str, Any] = dict(
-    vocab_size=128,
-    dim=64,
-    n_layers=3,
-    compress_ratios=(0, 4, 8),
-    n_heads=2,
-    head_dim=32,
-    rope_head_dim=8,
-    q_lora_rank=32,
-    o_lora_rank=16,
-    window_size=8,
-    index_n_heads=2,
-    index_head_dim=16,
-    index_topk=2,
-    n_routed_experts=8,
-    n_activated_experts=2,
-    moe_inter_dim=32,
-    n_hash_layers=1,
-)
+OVERRIDES: dict[str, Any] = dict(n_layers=3, compress_ratios=(0, 4, 8))
 # A routed expert, a learned gate, FSDP-sharded dense weights of a CSA block, the embedding.
 WATCHED = (
     "model.layers.1.ffn.experts.w2",
@@ -80,7 +62,7 @@ def _run(
     dist_utils.set_determinism(
         parallel_dims, torch.device("cpu"), DebugConfig(seed=SEED), distinct_seed_mesh_dims=["pp"]
     )
-    spec = model_spec("debug", **OVERRIDES)
+    spec = model_spec("micro", **OVERRIDES)
     with torch.device("meta"):
         model = spec.model.build()
     training = TrainingConfig(mixed_precision_param=param_dtype)

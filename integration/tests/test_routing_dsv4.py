@@ -28,24 +28,8 @@ def _one_thread() -> Iterator[None]:
 @pytest.fixture
 def model() -> DeepSeekV4:
     torch.manual_seed(0)
-    config = DeepSeekV4Config.from_flavor("debug").replace(
-        vocab_size=128,
-        dim=64,
-        n_layers=5,
-        compress_ratios=(0, 4, 8, 4, 0),
-        n_heads=2,
-        head_dim=32,
-        rope_head_dim=8,
-        q_lora_rank=32,
-        o_lora_rank=16,
-        window_size=8,
-        index_n_heads=2,
-        index_head_dim=16,
-        index_topk=2,
-        n_routed_experts=8,
-        n_activated_experts=2,
-        moe_inter_dim=32,
-        n_hash_layers=2,
+    config = DeepSeekV4Config.from_flavor("micro").replace(
+        n_layers=5, compress_ratios=(0, 4, 8, 4, 0), n_hash_layers=2
     )
     return DeepSeekV4(config)
 

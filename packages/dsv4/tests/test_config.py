@@ -25,7 +25,7 @@ def test_flash_layer_schedule_matches_the_official_config() -> None:
     assert sum(r == 128 for r in c.compress_ratios) == 20
 
 
-@pytest.mark.parametrize("name", ["debug", "small", "flash", "pro"])
+@pytest.mark.parametrize("name", ["micro", "debug", "small", "flash", "pro"])
 def test_hf_config_round_trip(name: str) -> None:
     config = DeepSeekV4Config.from_flavor(name)
     assert DeepSeekV4Config.from_hf_config(config.to_hf_config()) == config

@@ -105,8 +105,9 @@ class DeepSeekV4Config:
     # Flavors ---------------------------------------------------------------------------------
     @classmethod
     def from_flavor(cls, name: str) -> DeepSeekV4Config:
-        """``debug`` (tiny, every mechanism active), ``small`` (benchmarks), ``flash``, ``pro``."""
-        flavors = {"debug": _debug, "small": _small, "flash": _flash, "pro": _pro}
+        """``micro`` (for multi-process tests: every mechanism, dim 64), ``debug`` (the spec's tiny
+        preset, every mechanism active), ``small`` (benchmarks), ``flash``, ``pro``."""
+        flavors = {"micro": _micro, "debug": _debug, "small": _small, "flash": _flash, "pro": _pro}
         if name not in flavors:
             raise ValueError(
                 f"unknown DeepSeek-V4 flavor {name!r}; expected one of {sorted(flavors)}"
@@ -320,6 +321,28 @@ def _debug() -> DeepSeekV4Config:
         moe_inter_dim=128,
         use_yarn=False,
         max_seq_len=4096,
+    )
+
+
+def _micro() -> DeepSeekV4Config:
+    return _debug().replace(
+        vocab_size=128,
+        dim=64,
+        n_layers=4,
+        compress_ratios=(0, 4, 8, 4),
+        n_heads=2,
+        head_dim=32,
+        rope_head_dim=8,
+        q_lora_rank=32,
+        o_lora_rank=16,
+        window_size=8,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=2,
+        n_routed_experts=8,
+        n_activated_experts=2,
+        moe_inter_dim=32,
+        n_hash_layers=1,
     )
 
 
