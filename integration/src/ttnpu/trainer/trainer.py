@@ -88,6 +88,7 @@ class DSV4Trainer(Trainer):
 
     platform: Platform
     stepper: Stepper
+    ntokens_seen: int  # torchtitan's, set in its __init__
     _progress_start: tuple[int, float] | None = None
 
     def __init__(self, config: Config) -> None:
@@ -138,7 +139,7 @@ class DSV4Trainer(Trainer):
                 Path(ft.start_barrier), ft.replica_id, ft.replicas, ft.quorum_timeout_seconds
             )
         self._grad_norm = torch.tensor(0.0)
-        self._attempt_tokens = 0
+        self._tokens_before: int | None = None  # tokens seen when the attempt began
         self._attempt_events: list[SDCEvent] = []
         self.attempts = 0  # attempts of the step in progress
 
@@ -170,8 +171,8 @@ class DSV4Trainer(Trainer):
         """Every micro-batch of the step (under route replay and the SDC checks); returns the
         step's mean loss over this replica's valid tokens."""
         step = self.step + 1  # after the quorum: a heal has set self.step
+        self._tokens_before = self.ntokens_seen  # (a heal has set that too)
         self.spikes.maybe_inject(step)
-        tokens_before = self.ntokens_seen
         valid = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in planned.microbatches)
         global_valid = torch.tensor(valid, device=self.device)
         if self.parallel_dims.dp_enabled:
@@ -190,7 +191,6 @@ class DSV4Trainer(Trainer):
                         global_valid_tokens=global_valid,
                     )
                 loss += part.detach()
-        self._attempt_tokens = self.ntokens_seen - tokens_before
         if self.parallel_dims.dp_cp_enabled:
             loss = torch.tensor(
                 dist_utils.dist_sum(loss, self.parallel_dims.get_optional_mesh("loss")),
@@ -221,6 +221,7 @@ class DSV4Trainer(Trainer):
         for attempt in range(1, limit + 1):
             self.attempts = attempt
             self._attempt_events = []
+            self._tokens_before = None
 
             def forward_backward(attempt: int = attempt) -> torch.Tensor:
                 return self._forward_backward(planned, attempt)
@@ -237,8 +238,13 @@ class DSV4Trainer(Trainer):
                     }
                 self.step_log.write(event="heal", step=self.step, replica=self.replica_id, **moved)
             if outcome.committed:
+                assert self._tokens_before is not None
+                self.metrics_processor.ntokens_since_last_log += (
+                    self.ntokens_seen - self._tokens_before
+                )
                 return outcome
-            self.ntokens_seen -= self._attempt_tokens
+            if self._tokens_before is not None:  # the attempt's tokens were not trained on
+                self.ntokens_seen = self._tokens_before
             events = self._attempt_events
             self.step_log.write(
                 event="discarded", step=self.step + 1, attempt=attempt,
@@ -356,7 +362,6 @@ class DSV4Trainer(Trainer):
             attempts=self.attempts, participants=outcome.participants,
             replica=self.replica_id, **lr,
         )  # fmt: skip
-        self.metrics_processor.ntokens_since_last_log += self._attempt_tokens
         if self._progress_start is None:
             self._progress_start = (self.step - 1, time.monotonic())
         if not self.metrics_processor.should_log(self.step):
