@@ -5,6 +5,8 @@ log."""
 from __future__ import annotations
 
 import functools
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from torchtitan.components.optimizer import (
 )
 
 from ttnpu.trainer import DeepSeekV4LM, SilentDataCorruption, SpikeRecovery, model_spec
+from ttnpu.trainer.launcher import replica_args, wait_at_start_barrier
 from ttnpu.trainer.sdc_guard import SDCGuard
 from ttnpu.trainer.spikes import SpikeGuard, checkpoint_infos
 from ttnpu.trainer.steplog import StepLog, read_step_log
@@ -175,3 +178,18 @@ def test_first_attempts_are_checked_per_setting_and_reruns_always(
     guard = SDCGuard(config, _mlp(), replica_id=0, events_path=tmp_path / "e.jsonl")
     assert guard._checking(1) == (checksums == "always")
     assert guard._checking(2)
+
+
+def test_replicas_started_together_wait_for_each_other(tmp_path: Path) -> None:
+    barrier = tmp_path / ".start"
+    late = threading.Timer(0.3, lambda: (barrier / "ready_1").touch())
+    late.start()
+    started = time.monotonic()
+    wait_at_start_barrier(barrier, 0, 2, timeout=30)
+    assert time.monotonic() - started >= 0.25  # it waited for replica 1
+    with pytest.raises(TimeoutError, match=r"only \['ready_0', 'ready_1'\] of 3 replicas"):
+        wait_at_start_barrier(barrier, 0, 3, timeout=0.2)
+    assert replica_args(1, 3, 1, "http://h:1", barrier)[-2:] == [
+        "--fault_tolerance.start_barrier",
+        str(barrier),
+    ]

@@ -169,13 +169,12 @@ def _run(argv: Sequence[str]) -> int:
     single_process_env()
     try:
         trainer = config.build()
-    except LighthouseUnreachable as err:
-        if resume is None and os.environ["RANK"] == "0":
-            shutil.rmtree(run, ignore_errors=True)
-        raise UsageError(str(err)) from err
-    except ValueError as err:  # torchtitan and the model validate their configs with ValueError
+    # torchtitan and the model validate their configs with ValueError
+    except (ValueError, LighthouseUnreachable) as err:
         if resume is None and os.environ["RANK"] == "0":
             shutil.rmtree(run, ignore_errors=True)  # a run that never started leaves nothing
+        if isinstance(err, LighthouseUnreachable):
+            raise UsageError(str(err)) from err
         raise UsageError(f"invalid config {config_name}: {err}") from err
     if resume is None and os.environ["RANK"] == "0":
         (run / _COMMAND_FILE).write_text(
