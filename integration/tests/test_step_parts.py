@@ -193,3 +193,22 @@ def test_replicas_started_together_wait_for_each_other(tmp_path: Path) -> None:
         "--fault_tolerance.start_barrier",
         str(barrier),
     ]
+
+
+def test_the_gradient_all_reduce_check_carries_the_planned_fault(tmp_path: Path) -> None:
+    config = SilentDataCorruption(inject_step=2, inject_kind="allreduce", inject_replica=1)
+    guard = SDCGuard(config, _mlp(), replica_id=1, events_path=tmp_path / "events.jsonl")
+    check = guard.reduction_check(max_world=2)
+    grads = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+
+    def reduce(step: int, attempt: int) -> bool:
+        with guard.watch(step, attempt):
+            pass
+        checksums = check.before(grads)
+        return check.after(grads.clone(), checksums, world=1)
+
+    assert reduce(step=1, attempt=1)
+    assert not reduce(step=2, attempt=1)  # the planned flip, caught
+    [event] = guard.take_events()
+    assert (event.kind, event.step) == ("collective", 2) and SDCGuard.corrupted([event])
+    assert reduce(step=2, attempt=2) and guard.injected == 1  # transient: the re-run is clean

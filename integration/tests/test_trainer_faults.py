@@ -111,6 +111,29 @@ def test_a_transient_sdc_is_vetoed_everywhere_and_the_rerun_matches_a_clean_run(
     assert_same_weights(weights["faulty", 1], weights["clean", 1])
 
 
+def test_a_corrupted_gradient_all_reduce_is_vetoed_and_the_rerun_matches_a_clean_run(
+    tmp_path: Path, clean_run: Path
+) -> None:
+    """A bit flip in the gradients replica 1 receives from the cross-replica all-reduce: its
+    checksums do not match, both replicas discard step 3, the re-run commits clean."""
+    run = tmp_path / "faulty"
+    done = train(
+        run, *TWO_REPLICAS, "--sdc.inject_step", "3", "--sdc.inject_replica", "1",
+        "--sdc.inject_kind", "allreduce",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for i in range(2):
+        [discarded] = events(run / f"replica_{i}", "discarded")
+        assert (discarded["step"], discarded["vetoed"]) == (3, True)
+        assert discarded["sdc_events"] == (1 if i == 1 else 0)
+    caught = read_step_log(run / "replica_1" / "sdc_events.jsonl")
+    assert [(e["kind"], e["step"], e["confirmed"]) for e in caught] == [("collective", 3, True)]
+    assert_same_weights(
+        model_weights(run / "replica_0" / "checkpoint" / "step-5", tmp_path),
+        model_weights(clean_run / "replica_0" / "checkpoint" / "step-5", tmp_path),
+    )
+
+
 def test_fsdp_and_expert_parallel_in_one_group_train_like_two_replica_groups(
     tmp_path: Path, clean_run: Path
 ) -> None:

@@ -15,8 +15,10 @@ from ttnpu.ft import (
     CpuAdapter,
     EmbeddedLighthouse,
     RecoveryLimitExceeded,
+    ReductionCheck,
     Replica,
     ReplicaConfig,
+    StepResult,
     select_adapter,
 )
 
@@ -29,7 +31,13 @@ def lighthouse() -> Iterator[EmbeddedLighthouse]:
         yield lh
 
 
-def make_replica(replica_id: int, address: str, make_model: Any, **kw: Any) -> Replica:
+def make_replica(
+    replica_id: int,
+    address: str,
+    make_model: Any,
+    reduction_check: ReductionCheck | None = None,
+    **kw: Any,
+) -> Replica:
     model = make_model(0)
     config = ReplicaConfig(
         replica_id=replica_id,
@@ -40,7 +48,58 @@ def make_replica(replica_id: int, address: str, make_model: Any, **kw: Any) -> R
         quorum_timeout=timedelta(seconds=10),
         **kw,
     )
-    return Replica(config, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return Replica(
+        config, model, torch.optim.SGD(model.parameters(), lr=0.1), reduction_check=reduction_check
+    )
+
+
+class SumCheck:
+    """A stand-in for ttnpu-sdc's checksums: the buffer's sum travels on its own; replica 1's
+    received buffer is corrupted at the call given."""
+
+    def __init__(self, corrupt_call: int | None) -> None:
+        self.corrupt_call, self.calls, self.worlds = corrupt_call, 0, []
+
+    def before(self, local: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return local.sum().reshape(1)
+
+    def after(self, result: torch.Tensor, checksums: torch.Tensor, world: int) -> bool:
+        self.worlds.append(world)
+        if self.calls == self.corrupt_call:
+            result[0] += 1000.0
+        return bool(torch.isclose(result.sum(), checksums[0], rtol=1e-4, atol=1e-3))
+
+
+def test_a_corrupted_gradient_all_reduce_vetoes_the_step_on_every_replica(
+    lighthouse: EmbeddedLighthouse, make_model: Any
+) -> None:
+    checks = [SumCheck(None), SumCheck(2)]
+    replicas = in_parallel(
+        [lambda i=i: make_replica(i, lighthouse.address, make_model, checks[i]) for i in range(2)]
+    )
+    try:
+
+        def train(r: Replica) -> list[StepResult]:
+            gen = torch.Generator().manual_seed(r.config.replica_id)
+            return [
+                r.run_step(lambda: r.model(torch.randn(4, 8, generator=gen)).sum().backward())
+                for _ in range(3)
+            ]
+
+        out = in_parallel([lambda r=r: train(r) for r in replicas])
+        for results in out:  # replica 1 saw its second all-reduce corrupted: nobody commits it
+            assert [(s.committed, s.vetoed) for s in results] == [
+                (True, False), (False, True), (True, False),
+            ]  # fmt: skip
+        assert checks[0].worlds == checks[1].worlds == [2, 2, 2]
+        for a, b in zip(
+            replicas[0].model.parameters(), replicas[1].model.parameters(), strict=True
+        ):
+            assert torch.equal(a, b)
+    finally:
+        for r in replicas:
+            r.close()
 
 
 def in_parallel(fns: list[Callable[[], Any]]) -> list[Any]:

@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ttnpu.sdc import CollectiveChecker, Reporter, VetoFlag, chunk_length, flip_bit
+from ttnpu.sdc import (
+    CollectiveChecker,
+    ReductionChecksums,
+    Reporter,
+    VetoFlag,
+    chunk_length,
+    flip_bit,
+)
 
 from .threaded import run_ranks
 
@@ -108,3 +115,31 @@ def test_only_sum_is_verified() -> None:
             CollectiveChecker(group).all_reduce(torch.ones(3), op=dist.ReduceOp.MAX)
 
     run_ranks(1, body)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("average", [False, True])
+def test_a_reduction_run_elsewhere_is_verified_from_its_checksums(
+    dtype: torch.dtype, average: bool
+) -> None:
+    """Two replicas' buffers reduced as torchft's Manager would (SUM or AVG), checksums reduced
+    alongside: the clean result verifies; a flipped exponent bit in it is a confirmed event."""
+    gen = torch.Generator().manual_seed(0)
+    local = [torch.randn(10_000, generator=gen).to(dtype) for _ in range(2)]
+    flag = VetoFlag()
+    checks = [ReductionChecksums(max_world=4, reporter=Reporter([flag], rank=r)) for r in (0, 1)]
+    sums = [c.before(x) for c, x in zip(checks, local, strict=True)]
+    divide = 2 if average else 1
+    result = ((local[0].float() + local[1].float()) / divide).to(dtype)
+    reduced = (sums[0] + sums[1]) / divide
+    assert checks[0].after(result.clone(), reduced, world=2)
+    corrupted = result.clone()
+    flip_bit(corrupted, 1234, 30 if dtype == torch.float32 else 14)
+    assert not checks[1].after(corrupted, reduced, world=2)
+    [event] = flag.take()
+    assert (event.kind, event.confirmed, event.rank, event.where) == (
+        "collective", True, 1, "all_reduce#1",
+    )  # fmt: skip
+    assert event.detail["first_bad_element"] <= 1234
+    with pytest.raises(ValueError, match=r"world 5 must be in \[1, max_world = 4\]"):
+        checks[0].after(result, reduced, world=5)

@@ -91,7 +91,8 @@ class FaultTolerance:
 class SilentDataCorruption:
     """Detection (ttnpu-sdc) and its action: a detection vetoes the step on every replica and the
     step is re-run with checksums on; corrupted again means a persistent fault, and the replica
-    exits with :data:`EXIT_PERSISTENT_SDC`."""
+    exits with :data:`EXIT_PERSISTENT_SDC`. With fault tolerance on, the cross-replica gradient
+    all-reduce is verified too (chunk checksums reduced alongside it)."""
 
     enable: bool = True
     """Watch this replica's computation."""
@@ -108,7 +109,11 @@ class SilentDataCorruption:
     """Normal steps a gradient's statistics need before it can be judged."""
 
     inject_step: int = 0
-    """Flip a bit of one matmul output at this step (0: never)."""
+    """Flip a bit at this step (0: never): of one forward matmul output, or of the gradients as
+    they arrive from the cross-replica all-reduce (``inject_kind``)."""
+
+    inject_kind: Literal["matmul", "allreduce"] = "matmul"
+    """Where the injected bit flip lands."""
 
     inject_replica: int = 0
     """The replica id that gets the fault."""

@@ -25,10 +25,12 @@ from ttnpu.sdc import (
     GradientDetector,
     LogAction,
     MatmulFaultMode,
+    ReductionChecksums,
     Reporter,
     SDCConfig,
     SDCEvent,
     VetoFlag,
+    flip_bit,
 )
 
 from .features import SilentDataCorruption
@@ -70,26 +72,47 @@ class SDCGuard:
             else None
         )
         self.injected = 0
+        self._step, self._attempt = 0, 0
+
+    def reduction_check(self, max_world: int) -> ReductionChecksums:
+        """The check of the cross-replica gradient all-reduce (ttnpu-ft's ``ReductionCheck``),
+        reporting here and carrying the planned all-reduce fault."""
+        return ReductionChecksums(
+            max_world, reporter=self.reporter, fault=self._corrupt_reduction, name="grad_allreduce"
+        )
+
+    def _due(self, kind: str) -> bool:
+        c = self.config
+        return (
+            c.inject_kind == kind
+            and self._step == c.inject_step
+            and self.replica_id == c.inject_replica
+            and (self._attempt == 1 or c.inject_persistent)
+        )
+
+    def _corrupt_reduction(self, name: str, result: torch.Tensor) -> None:
+        if self._due("allreduce"):
+            flip_bit(result, 0, self.config.inject_bit)
+            self.injected += 1
 
     def _checking(self, attempt: int) -> bool:
         if attempt > 1:
             return True
         return self.config.checksums != "off" and self.switch.is_on()
 
-    def _fault(self, step: int, attempt: int) -> FaultPlan | None:
-        c = self.config
-        due = step == c.inject_step and self.replica_id == c.inject_replica
-        if not due or (attempt > 1 and not c.inject_persistent):
+    def _fault(self) -> FaultPlan | None:
+        if not self._due("matmul"):
             return None
-        return FaultPlan(flips=[BitFlip(index=0, bit=c.inject_bit)], phase="forward")
+        return FaultPlan(flips=[BitFlip(index=0, bit=self.config.inject_bit)], phase="forward")
 
     @contextmanager
     def watch(self, step: int, attempt: int) -> Iterator[None]:
         """Around the forward+backward of an attempt: the planned fault (outermost, so the
         checks see it) and the matmul checksums when they are on."""
         self.reporter.step = step
+        self._step, self._attempt = step, attempt
         with ExitStack() as stack:
-            plan = self._fault(step, attempt)
+            plan = self._fault()
             if plan is not None:
                 stack.enter_context(MatmulFaultMode(plan))
             if self._checking(attempt):
@@ -108,12 +131,17 @@ class SDCGuard:
             )  # fmt: skip
         elif attempt == 1 and self.detector is not None:
             self.detector.check()
+        return self.take_events()
+
+    def take_events(self) -> list[SDCEvent]:
+        """Events reported since the last call (the all-reduce check reports after backward)."""
         return self.flag.take()
 
     @staticmethod
     def corrupted(events: list[SDCEvent]) -> bool:
-        """Whether ``events`` prove corrupted computation (a confirmed checksum mismatch)."""
-        return any(e.kind == "matmul" and e.confirmed for e in events)
+        """Whether ``events`` prove a corruption (a confirmed matmul or all-reduce checksum
+        mismatch), as opposed to a statistical anomaly."""
+        return any(e.kind in ("matmul", "collective") and e.confirmed for e in events)
 
 
 _ALWAYS = ChecksumSwitch(on=True)

@@ -21,7 +21,13 @@ import torch
 import torch.distributed as dist
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 
-from ttnpu.ft import Replica, ReplicaConfig, check_lighthouse, clean_training_site
+from ttnpu.ft import (
+    ReductionCheck,
+    Replica,
+    ReplicaConfig,
+    check_lighthouse,
+    clean_training_site,
+)
 
 from .features import FaultTolerance
 
@@ -98,7 +104,8 @@ class ReplicaStepper:
     """This process as (one rank of) a torchft replica group, through :class:`ttnpu.ft.Replica`.
 
     ``train_state`` (the trainer: step, tokens seen) travels with the weights, optimizer and LR
-    scheduler when a rejoining replica heals from a live one. Under torchrun the group's ranks
+    scheduler when a rejoining replica heals from a live one; ``reduction_check`` verifies the
+    gradient all-reduce. Under torchrun the group's ranks
     share the launcher's store (``MASTER_ADDR``/``MASTER_PORT``)."""
 
     def __init__(
@@ -110,6 +117,7 @@ class ReplicaStepper:
         *,
         train_state: Any,
         device: str,
+        reduction_check: ReductionCheck | None = None,
     ) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         lighthouse = check_lighthouse(config.lighthouse or None)
@@ -136,6 +144,7 @@ class ReplicaStepper:
             optimizers,
             lr_scheduler=lr_schedulers,
             extras={"train_state": train_state},
+            reduction_check=reduction_check,
         )
 
     def raise_flag(self, reason: str) -> None:

@@ -96,6 +96,11 @@ class DSV4Trainer(Trainer):
             section.validate()
         if config.parallelism.pipeline_parallel_degree > 1:
             raise ValueError("DSV4Trainer does not support pipeline parallelism")
+        if config.sdc.inject_kind == "allreduce" and not config.fault_tolerance.enable:
+            raise ValueError(
+                "sdc.inject_kind allreduce needs fault_tolerance.enable: the all-reduce that is "
+                "checked is the one across replica groups"
+            )
         self.platform = activate(detect(config.device))
         register_dataset()
         super().__init__(config)
@@ -130,6 +135,7 @@ class DSV4Trainer(Trainer):
                 self.lr_schedulers,
                 train_state=self,
                 device=self.platform.device_type,
+                reduction_check=self.sdc.reduction_check(ft.replicas) if self.sdc else None,
             )
             if ft.enable
             else LocalStepper(model, self.optimizers, self.lr_schedulers)
@@ -227,6 +233,8 @@ class DSV4Trainer(Trainer):
                 return self._forward_backward(planned, attempt)
 
             outcome = self.stepper.run(forward_backward, self._before_update)
+            if self.sdc is not None:  # what the all-reduce check found after the backward
+                self._attempt_events += self.sdc.take_events()
             if self.stepper.heals > heals:
                 heals = self.stepper.heals
                 moved = {}

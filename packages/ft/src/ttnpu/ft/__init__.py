@@ -14,7 +14,7 @@ from ttnpu.ft.lighthouse import EmbeddedLighthouse, LighthouseUnreachable, check
 from ttnpu.ft.moe_balance import expert_counters, sum_expert_counts_across_replicas
 from ttnpu.ft.npu import NpuRuntime
 from ttnpu.ft.recovery import CollectiveTimeout, RecoveryLimitExceeded, StepRecovery
-from ttnpu.ft.replica import LRScheduler, Replica, ReplicaConfig, StepResult
+from ttnpu.ft.replica import LRScheduler, ReductionCheck, Replica, ReplicaConfig, StepResult
 from ttnpu.ft.snapshot import ReplicaState, RestoreError, Stateful, snapshot_tree
 from ttnpu.ft.training_site import SiteCleanup, StepStateOwner, clean_training_site
 from ttnpu.ft.transport import SocketTransport
@@ -38,6 +38,7 @@ __all__ = [
     "NpuRuntime",
     "ProcessGroupHCCL",
     "RecoveryLimitExceeded",
+    "ReductionCheck",
     "Replica",
     "ReplicaConfig",
     "ReplicaState",

@@ -27,7 +27,7 @@ from ttnpu.ft.snapshot import ReplicaState, Stateful
 from ttnpu.ft.transport import SocketTransport
 from ttnpu.ft.veto import CommitVeto
 
-__all__ = ["LRScheduler", "Replica", "ReplicaConfig", "StepResult"]
+__all__ = ["LRScheduler", "ReductionCheck", "Replica", "ReplicaConfig", "StepResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,16 @@ class LRScheduler(Stateful, Protocol):
     """What the replica needs of an LR scheduler: stepped only on committed steps."""
 
     def step(self) -> None: ...
+
+
+class ReductionCheck(Protocol):
+    """Verifies the cross-replica gradient all-reduce (ttnpu-sdc's ``ReductionChecksums`` is
+    one): ``before`` turns the local buffer into checksums, which are all-reduced on their own;
+    ``after`` judges the reduced buffer against them. A failed check vetoes the step."""
+
+    def before(self, local: torch.Tensor) -> torch.Tensor: ...
+
+    def after(self, result: torch.Tensor, checksums: torch.Tensor, world: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -112,8 +122,10 @@ class Replica:
         extras: Mapping[str, Stateful] | None = None,
         adapter: DeviceAdapter | None = None,
         checkpoint_transport: CheckpointTransport[dict[str, Any]] | None = None,
+        reduction_check: ReductionCheck | None = None,
     ) -> None:
         self.config = config
+        self.reduction_check = reduction_check
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -174,7 +186,8 @@ class Replica:
         has-gradient mask travels in the same buffer, and a parameter no replica produced a
         gradient for gets ``grad = None`` back, so the optimizer leaves it alone (no weight
         decay, no moment update). DTensor gradients reduce their local shard (every replica
-        shards the same way).
+        shards the same way). With a ``reduction_check`` every buffer's checksums travel in an
+        all-reduce of their own, and a result that fails the check vetoes the step.
         """
         buckets: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}
         for param in self.model.parameters():
@@ -190,7 +203,15 @@ class Replica:
             grads = [g for _, g, _ in bucket]
             mask = torch.tensor([float(h) for _, _, h in bucket], device=grads[0].device)
             flat = torch.cat([*(g.reshape(-1) for g in grads), mask.to(grads[0].dtype)])
-            self.manager.allreduce(flat).wait()
+            check = self.reduction_check
+            if check is None:
+                self.manager.allreduce(flat).wait()
+            else:
+                checksums = check.before(flat)
+                self.manager.allreduce(checksums).wait()
+                self.manager.allreduce(flat).wait()
+                if not check.after(flat, checksums, self.manager.num_participants()):
+                    self.veto.raise_flag("the gradient all-reduce arrived corrupted")
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))

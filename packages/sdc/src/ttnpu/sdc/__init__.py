@@ -12,7 +12,7 @@ from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
 
 from .checksum import SIGMAS, CheckResult, check_grouped_mm, check_matmul, unit_roundoff
-from .comm import CollectiveChecker, chunk_length
+from .comm import CollectiveChecker, ReductionChecksums, chunk_length
 from .config import SDCConfig
 from .eager import ChecksumMode
 from .events import (
@@ -83,6 +83,7 @@ __all__ = [
     "LogAction",
     "MatmulFaultMode",
     "RaiseAction",
+    "ReductionChecksums",
     "Reporter",
     "SDCConfig",
     "SDCError",

@@ -23,7 +23,7 @@ from torch import Tensor
 from .checksum import unit_roundoff
 from .events import Reporter, default_reporter
 
-__all__ = ["CollectiveChecker", "chunk_length"]
+__all__ = ["CollectiveChecker", "ReductionChecksums", "chunk_length"]
 
 _U32 = unit_roundoff(torch.float32)
 _MAX_CHUNK = 4096
@@ -45,6 +45,102 @@ def _chunk_sums(flat: Tensor, length: int) -> Tensor:
         x = torch.cat([x, x.new_zeros(pad)])
     x = x.view(-1, length)
     return torch.stack([x.sum(1), x.abs().sum(1)])
+
+
+def _verify_chunks(
+    where: str,
+    result: Tensor,
+    expected: Tensor,
+    length: int,
+    world: int,
+    reporter: Reporter,
+    rank: int | None,
+) -> bool:
+    """Compare ``result``'s chunk sums with the reduced checksums ``expected`` (2, chunks); report
+    a confirmed ``collective`` event naming the bad chunks when any is beyond the bound."""
+    got = _chunk_sums(result.reshape(-1), length)[0]
+    want, magnitude = expected[0], expected[1]
+    u = unit_roundoff(result.dtype)
+    bound = ((world - 1) * (u + _U32) + 2.0 * length * _U32) * magnitude * 1.01
+    judged = torch.isfinite(want) & torch.isfinite(magnitude)
+    diff = torch.nan_to_num((got - want).abs(), nan=math.inf)
+    bad = judged & (diff > bound)
+    if not bool(bad.any()):
+        return True
+    ratio = torch.where(bound > 0, diff / bound, torch.full_like(diff, math.inf))[bad]
+    chunks = bad.nonzero().flatten().tolist()
+    reporter.report(
+        "collective",
+        where,
+        magnitude=float(ratio.max()),
+        confirmed=True,
+        rank=rank,
+        detail={
+            "bad_chunks": len(chunks),
+            "first_bad_element": chunks[0] * length,
+            "chunk_length": length,
+            "dtype": str(result.dtype),
+            "numel": result.numel(),
+            "world_size": world,
+        },
+    )
+    return False
+
+
+class ReductionChecksums:
+    """Verify a reduction that someone else runs (torchft's Manager across replica groups).
+
+    ``before(local)`` returns per-chunk checksums of the local buffer, which the caller reduces
+    with the same reduction as the buffer but separately from it. ``after(result, checksums,
+    world)`` checks the reduced buffer against the reduced checksums. SUM and AVG reductions
+    both work: an average divides both sides alike, and its rounding is one more term of the
+    bound (counted as one more rank). ``max_world`` fixes the chunk length, so the checksums
+    can be computed before the reduction's size is known. A mismatch is reported as a confirmed
+    ``collective`` event (``rank`` None: the reporter's); ``fault`` (drills, tests) corrupts the
+    result before the check.
+    """
+
+    def __init__(
+        self,
+        max_world: int,
+        *,
+        reporter: Reporter | None = None,
+        rank: int | None = None,
+        fault: Callable[[str, Tensor], None] | None = None,
+        name: str = "all_reduce",
+    ) -> None:
+        if max_world < 1:
+            raise ValueError(f"ReductionChecksums: max_world must be >= 1, got {max_world}")
+        self.max_world = max_world
+        self.reporter = reporter
+        self.rank = rank
+        self.fault = fault
+        self.name = name
+        self.calls = 0
+        self.failures = 0
+
+    def _length(self, dtype: torch.dtype) -> int:
+        return chunk_length(dtype, self.max_world + 1)
+
+    def before(self, local: Tensor) -> Tensor:
+        """The checksums of ``local`` (fp32, shape (2, chunks)), to reduce like ``local``."""
+        self.calls += 1
+        return _chunk_sums(local.reshape(-1), self._length(local.dtype))
+
+    def after(self, result: Tensor, checksums: Tensor, world: int) -> bool:
+        """Whether the reduced ``result`` matches the reduced ``checksums`` of ``world`` ranks."""
+        if not 1 <= world <= self.max_world:
+            raise ValueError(
+                f"ReductionChecksums: world {world} must be in [1, max_world = {self.max_world}]"
+            )
+        if self.fault is not None:
+            self.fault(self.name, result)
+        ok = _verify_chunks(
+            f"{self.name}#{self.calls}", result, checksums, self._length(result.dtype),
+            world + 1, self.reporter or default_reporter(), self.rank,
+        )  # fmt: skip
+        self.failures += not ok
+        return ok
 
 
 class CollectiveChecker:
@@ -75,35 +171,12 @@ class CollectiveChecker:
 
     def _verify(self, name: str, result: Tensor, expected: Tensor, length: int, world: int) -> bool:
         """Compare the result's chunk sums with the reduced checksums ``expected`` (2, chunks)."""
-        got = _chunk_sums(result.reshape(-1), length)[0]
-        want, magnitude = expected[0], expected[1]
-        u = unit_roundoff(result.dtype)
-        bound = ((world - 1) * (u + _U32) + 2.0 * length * _U32) * magnitude * 1.01
-        judged = torch.isfinite(want) & torch.isfinite(magnitude)
-        diff = torch.nan_to_num((got - want).abs(), nan=math.inf)
-        bad = judged & (diff > bound)
-        if not bool(bad.any()):
-            return True
-        self.failures += 1
-        ratio = torch.where(bound > 0, diff / bound, torch.full_like(diff, math.inf))[bad]
-        chunks = bad.nonzero().flatten().tolist()
-        rank, _ = self._world()
-        (self.reporter or default_reporter()).report(
-            "collective",
-            f"{name}#{self.calls}",
-            magnitude=float(ratio.max()),
-            confirmed=True,
-            rank=rank,
-            detail={
-                "bad_chunks": len(chunks),
-                "first_bad_element": chunks[0] * length,
-                "chunk_length": length,
-                "dtype": str(result.dtype),
-                "numel": result.numel(),
-                "world_size": world,
-            },
-        )
-        return False
+        ok = _verify_chunks(
+            f"{name}#{self.calls}", result, expected, length, world,
+            self.reporter or default_reporter(), self._world()[0],
+        )  # fmt: skip
+        self.failures += not ok
+        return ok
 
     def _check_op(self, op: dist.ReduceOp.RedOpType) -> None:
         if op != dist.ReduceOp.SUM:
