@@ -252,6 +252,12 @@ def test_a_killed_replica_leaves_the_other_training_and_a_new_one_rejoins_with_l
                 proc.wait()
     joint = [r for r in steps(rejoined) if r["participants"] == 2]
     assert joint and joint[0]["step"] == heal["step"] + 1
+    # its data shard moved on as far as the step did (one batch a step), and the learning rate
+    # it logged for its first step is the healed schedule's, the survivor's
+    [catch_up] = events(rejoined, "data_catch_up")
+    assert catch_up["batches"] == heal["step"]
+    lrs = {r["step"]: r["lr/AdamW"] for r in steps(first)}
+    assert all(lrs[r["step"]] == r["lr/AdamW"] for r in joint)
     step = common[0]
     assert_same_weights(
         model_weights(first / "checkpoint" / step, tmp_path),

@@ -145,6 +145,7 @@ class DSV4Trainer(Trainer):
                 Path(ft.start_barrier), ft.replica_id, ft.replicas, ft.quorum_timeout_seconds
             )
         self._grad_norm = torch.tensor(0.0)
+        self._lr_metrics: dict[str, float] = {}
         self._tokens_before: int | None = None  # tokens seen when the attempt began
         self._attempt_events: list[SDCEvent] = []
         self.attempts = 0  # attempts of the step in progress
@@ -209,7 +210,9 @@ class DSV4Trainer(Trainer):
         return loss
 
     def _before_update(self) -> None:
-        """On the committed, replica-averaged gradients: clip, as torchtitan does."""
+        """On the committed, replica-averaged gradients: clip, as torchtitan does; note the
+        learning rate this update uses (after any heal)."""
+        self._lr_metrics = self.lr_schedulers.get_metrics()
         self._grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.config.training.max_norm,
@@ -300,12 +303,27 @@ class DSV4Trainer(Trainer):
             self.step_log.write(event="warmup", step=self.step, captured=schedule.queued_steps)
         planned = schedule.next_step()
         self.metrics_processor.data_loading_times.append(time.perf_counter() - loaded)
+        own_step, heals = self.step, self.stepper.heals
         outcome = self._commit(planned)
         schedule.finish_step()
         self.step += 1
-        if schedule.phase is Phase.NORMAL:
-            schedule.step = self.step  # a heal may have moved the step forward
+        if schedule.phase is Phase.NORMAL and self.stepper.heals > heals:
+            self._catch_up_data(schedule, self.step - 1 - own_step)
         return planned.phase, outcome
+
+    def _catch_up_data(self, schedule: AnticipatorySchedule[Batch], steps: int) -> None:
+        """After a heal moved this replica from its own step to a live one's, move its data shard
+        as far: a replica's shard position is a function of the step (``microbatches`` batches a
+        step), so a rejoined replica does not train again on batches it trained on before."""
+        schedule.step = self.step
+        batches = max(steps, 0) * self.gradient_accumulation_steps
+        for skipped in range(batches):
+            if next(schedule.data, None) is None:
+                raise DataExhaustedError(
+                    f"data ended {skipped} batches into a catch-up of {batches}"
+                )
+        if batches:
+            self.step_log.write(event="data_catch_up", step=self.step, batches=batches)
 
     def train_step(self, data_iterator: Iterator[Batch]) -> None:
         """torchtitan's step commits unconditionally; this trainer's step is :meth:`commit_step`
@@ -326,7 +344,6 @@ class DSV4Trainer(Trainer):
         ) as profiler:
             while self.step < config.training.steps:
                 self.gc_handler.run(self.step + 1)
-                lr_metrics = self.lr_schedulers.get_metrics()
                 try:
                     phase, outcome = self.commit_step(schedule)
                 except DataExhaustedError:
@@ -334,7 +351,7 @@ class DSV4Trainer(Trainer):
                     break
                 assert outcome.loss is not None
                 loss = float(outcome.loss)
-                self._record(outcome, loss, phase, lr_metrics)
+                self._record(outcome, loss, phase, self._lr_metrics)
                 onset = self.spikes.observe(self.step, loss)
                 if onset is not None:
                     schedule = self._roll_back(onset)
