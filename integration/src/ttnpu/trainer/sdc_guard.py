@@ -1,11 +1,11 @@
 """ttnpu-sdc inside the training step: what is checked on each attempt and what a detection means.
 
-Every detection (a matmul whose checksum is wrong, a gradient whose statistics jump, a non-finite
-loss) is written to ``sdc_events.jsonl`` in the run folder and vetoes the step on every replica,
-so nothing corrupted is committed anywhere. The step is then re-run on the same batches with the
-checksums on: a clean re-run commits (the fault was transient); a re-run whose matmuls are
-corrupted again proves a persistent fault, and this replica leaves the job
-(:data:`~ttnpu.trainer.features.EXIT_PERSISTENT_SDC`).
+Every detection is written to ``sdc_events.jsonl`` in the run folder and vetoes the step on every
+replica, so nothing corrupted is committed anywhere: a matmul whose checksum is wrong, a gradient
+whose statistics jump, a non-finite loss, a cross-replica gradient all-reduce whose checksums do
+not match. The step is then re-run on the same batches with the checksums on: a clean re-run
+commits (the fault was transient); a re-run corrupted again proves a persistent fault, and this
+replica leaves the job (:data:`~ttnpu.trainer.features.EXIT_PERSISTENT_SDC`).
 """
 
 from __future__ import annotations
