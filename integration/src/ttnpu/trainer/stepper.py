@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -41,6 +41,7 @@ class StepOutcome:
     vetoed: bool = False
     recovered: bool = False
     participants: int = 1
+    timings: dict[str, float] = field(default_factory=dict)  # torchft's share of the step, s
 
 
 class Stepper(Protocol):
@@ -158,6 +159,7 @@ class ReplicaStepper:
             vetoed=result.vetoed,
             recovered=result.recovered,
             participants=result.participants,
+            timings={k: round(v, 4) for k, v in result.timings.items()},
         )
 
     @property

@@ -382,10 +382,11 @@ class DSV4Trainer(Trainer):
         if not math.isfinite(loss):
             raise RuntimeError(f"loss is not finite ({loss}) at committed step {self.step}")
         grad_norm = float(self._grad_norm)
+        ft = {"ft_seconds": outcome.timings} if outcome.timings else {}
         self.step_log.write(
             step=self.step, loss=loss, grad_norm=grad_norm, phase=phase.value,
             attempts=self.attempts, participants=outcome.participants,
-            replica=self.replica_id, **lr,
+            replica=self.replica_id, **lr, **ft,
         )  # fmt: skip
         if self._progress_start is None:
             self._progress_start = (self.step - 1, time.monotonic())

@@ -38,13 +38,18 @@ def chunk_length(dtype: torch.dtype, world_size: int) -> int:
 
 
 def _chunk_sums(flat: Tensor, length: int) -> Tensor:
-    """(2, chunks) fp32: per-chunk sum and sum of magnitudes of a 1-D tensor."""
-    x = flat.to(torch.float32)
-    pad = (-x.numel()) % length
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad)])
-    x = x.view(-1, length)
-    return torch.stack([x.sum(1), x.abs().sum(1)])
+    """(2, chunks) fp32: per-chunk sum and sum of magnitudes of a 1-D tensor (the last chunk may
+    be short). No padded copy and no ``abs()`` temporary: a gradient all-reduce checks tens of
+    millions of elements every step."""
+    x = flat if flat.dtype == torch.float32 else flat.to(torch.float32)
+    full = x.numel() // length * length
+    head = x[:full].view(-1, length)
+    sums, magnitudes = head.sum(1), torch.linalg.vector_norm(head, 1, dim=1)
+    if full < x.numel():
+        tail = x[full:]
+        sums = torch.cat([sums, tail.sum().reshape(1)])
+        magnitudes = torch.cat([magnitudes, tail.abs().sum().reshape(1)])
+    return torch.stack([sums, magnitudes])
 
 
 def _verify_chunks(
