@@ -491,9 +491,9 @@ def kill_storm(drill: Drill) -> ScenarioResult:
             "(a step redone after a kill).",
             "The final loss is compared, not checked: each logged loss is that of one batch "
             "(128 tokens a replica, step-to-step spread about 0.5), and the two runs train on "
-            "different batches (a survivor trains alone on half the batch; a rejoined replica "
-            "starts its data shard over, since a heal carries no data position), so only a "
-            "held-out evaluation of both final models would make it a sound check. The "
+            "partly different batches (a survivor trains alone on half the batch while its "
+            "peer is down; a rejoined replica's shard catches up with its healed step), so only "
+            "a held-out evaluation of both final models would make it a sound check. The "
             "difference is also given in standard errors of the two 10-step means.",
         ],
         plots=[
