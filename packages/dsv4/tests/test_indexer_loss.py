@@ -5,6 +5,7 @@ from ttnpu.dsv4 import DeepSeekV4, DeepSeekV4Config
 from ttnpu.dsv4 import attention as attention_module
 from ttnpu.dsv4.attention import Attention
 from ttnpu.dsv4.compressor import indexer_kl, visible_entries
+from ttnpu.dsv4.context_parallel import SequenceShard
 from ttnpu.dsv4.rope import RopeTable, rope_frequencies
 
 
@@ -57,9 +58,11 @@ def test_indexer_target_is_the_attention_mass_it_reads(
     x = torch.randn(2, seq_len, tiny.dim)
     targets: list[torch.Tensor] = []
 
-    def recording(index: torch.Tensor, mass: torch.Tensor, reads: torch.Tensor) -> torch.Tensor:
+    def recording(
+        index: torch.Tensor, mass: torch.Tensor, reads: torch.Tensor, shard: SequenceShard
+    ) -> torch.Tensor:
         targets.append(mass.detach())
-        return indexer_kl(index, mass, reads)
+        return indexer_kl(index, mass, reads, shard)
 
     monkeypatch.setattr(attention_module, "indexer_kl", recording)
     out, loss = attn(x, rope)

@@ -12,29 +12,30 @@ the indexer's distillation loss against this softmax's mass on the compressed en
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .compressor import Compressor, Indexer, indexer_kl, visible_entries
 from .config import DeepSeekV4Config
+from .context_parallel import SequenceShard
 from .norms import RMSNorm, rms_normalize
 from .rope import RopeTable, apply_rope
 
 __all__ = ["Attention", "window_mask"]
 
 
-def window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
-    """Bool [S, W] over the banded keys of :func:`_windows`: slot w of query t is key
-    ``t - window + 1 + w``, valid when >= 0 (the window includes t itself)."""
-    t = torch.arange(seq_len, device=device).unsqueeze(1)
+def window_mask(seq_len: int, window: int, device: torch.device, start: int = 0) -> torch.Tensor:
+    """Bool [S, W] over the banded keys of :func:`_windows` for queries at positions ``start ..``:
+    slot w of query t is key ``t - window + 1 + w``, valid when >= 0 (the window includes t)."""
+    t = torch.arange(start, start + seq_len, device=device).unsqueeze(1)
     w = torch.arange(window, device=device).unsqueeze(0)
     return t - window + 1 + w >= 0
 
 
-def _windows(kv: torch.Tensor, window: int) -> torch.Tensor:
-    """[B, S, D] -> [B, S, D, W] view: the ``window`` keys ending at each position (zero-padded
-    before the start, masked by :func:`window_mask`)."""
-    padded = F.pad(kv, (0, 0, window - 1, 0))
+def _windows(kv: torch.Tensor, window: int, shard: SequenceShard) -> torch.Tensor:
+    """[B, L, D] -> [B, L, D, W] view: the ``window`` keys ending at each position of the slice;
+    the ``window - 1`` before it come from the previous rank (zeros before the sequence start,
+    masked by :func:`window_mask`)."""
+    padded = torch.cat((shard.halo(kv, window - 1), kv), dim=1)
     return padded.unfold(1, window, 1)
 
 
@@ -71,9 +72,13 @@ class Attention(nn.Module):
                     c.norm_eps,
                 )
 
-    def forward(self, x: torch.Tensor, rope: RopeTable) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [B, S, dim] -> (output [B, S, dim], the indexer's KL on CSA layers, else None)."""
+    def forward(
+        self, x: torch.Tensor, rope: RopeTable, shard: SequenceShard | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, L, dim] -> (output [B, L, dim], the indexer's KL on CSA layers, else None).
+        ``shard``: where x's L tokens lie in the sequence (default: they are all of it)."""
         batch, seq_len, _ = x.shape
+        shard = shard or SequenceShard.whole(seq_len)
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(batch, seq_len, self.n_heads, self.head_dim)
         q = apply_rope(rms_normalize(q, self.eps), rope)
@@ -81,15 +86,15 @@ class Attention(nn.Module):
 
         # Window branch, banded: query t scores its `window` most recent keys only. Scores are
         # laid out [B, S, H, keys] so both branches are plain batched matmuls.
-        window = _windows(kv, self.window)  # [B, S, D, W]; slot w holds key t - W + 1 + w
+        window = _windows(kv, self.window, shard)  # [B, L, D, W]; slot w: key t - W + 1 + w
         scores = [torch.matmul(q, window)]
-        masks = [window_mask(seq_len, self.window, x.device).unsqueeze(1)]
+        masks = [window_mask(seq_len, self.window, x.device, shard.start).unsqueeze(1)]
         entries = index = None
         if self.compressor is not None:
-            entries = self.compressor(x, rope)
-            reads = visible_entries(seq_len, entries.shape[1], self.ratio, x.device)
+            entries = self.compressor.sequence_entries(x, rope, shard)
+            reads = visible_entries(seq_len, entries.shape[1], self.ratio, x.device, shard.start)
             if self.indexer is not None:
-                index = self.indexer.scores(x, qr, rope)
+                index = self.indexer.scores(x, qr, rope, shard)
                 if not self.dense_indexer_warmup:
                     reads = self.indexer.select(index)
             flat_q = q.reshape(batch, seq_len * self.n_heads, -1)
@@ -105,7 +110,8 @@ class Attention(nn.Module):
         probs = torch.softmax(torch.cat((*logits, sink), dim=-1), dim=-1)
         indexer_loss = None
         if index is not None:
-            indexer_loss = indexer_kl(index, probs[..., self.window : -1].sum(dim=-2), reads)
+            mass = probs[..., self.window : -1].sum(dim=-2)
+            indexer_loss = indexer_kl(index, mass, reads, shard)
         probs = probs.to(kv.dtype)
         out = torch.matmul(probs[..., : self.window], window.transpose(-1, -2))
         if entries is not None:

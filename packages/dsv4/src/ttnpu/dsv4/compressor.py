@@ -18,15 +18,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .context_parallel import SequenceShard
 from .norms import RMSNorm
 from .rope import RopeTable, apply_rope
 
 __all__ = ["Compressor", "Indexer", "indexer_kl", "visible_entries"]
 
 
-def visible_entries(seq_len: int, n_entries: int, ratio: int, device: torch.device) -> torch.Tensor:
-    """Bool [S, N]: query t may read entry s iff its source block ends at or before t."""
-    t = torch.arange(seq_len, device=device).unsqueeze(1)
+def visible_entries(
+    seq_len: int, n_entries: int, ratio: int, device: torch.device, start: int = 0
+) -> torch.Tensor:
+    """Bool [S, N]: query t (positions ``start ..``) may read entry s iff its source block ends at
+    or before t."""
+    t = torch.arange(start, start + seq_len, device=device).unsqueeze(1)
     s = torch.arange(n_entries, device=device).unsqueeze(0)
     return s < (t + 1) // ratio
 
@@ -69,6 +73,24 @@ class Compressor(nn.Module):
         entries = self.norm(pooled)
         return apply_rope(entries, rope.every(m, n)).to(x.dtype)
 
+    def sequence_entries(
+        self, x: torch.Tensor, rope: RopeTable, shard: SequenceShard
+    ) -> torch.Tensor:
+        """Every entry of the sequence [B, length // ratio, head_dim] from this rank's slice
+        ``x`` [B, L, dim]: the rank compresses the blocks that end in its slice, reading the
+        tokens before it (and, with overlap, the block before) from the previous rank, then the
+        entries of all ranks are gathered."""
+        m, overlap = self.ratio, int(self.overlap)
+
+        def first_read(start: int) -> int:  # the first token that a slice's blocks read
+            return max(start // m - overlap, 0) * m
+
+        begin = first_read(shard.start)
+        most = max(start - first_read(start) for start, _ in shard.bounds)
+        halo = shard.halo(x, shard.start - begin, sent=most)
+        own = self(torch.cat((halo, x), dim=1), rope.span(begin, shard.stop))
+        return shard.gather_entries(own[:, shard.start // m - begin // m :], m)
+
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.wkv.weight, std=std)
         nn.init.normal_(self.wgate.weight, std=std)
@@ -98,22 +120,28 @@ class Indexer(nn.Module):
         self.compressor = Compressor(dim, head_dim, ratio, overlap=True, eps=eps)
         self.scale = head_dim**-0.5 * n_heads**-0.5
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, rope: RopeTable) -> torch.Tensor:
-        """Index scores [B, S, N], -inf where the entry is not yet visible."""
+    def scores(
+        self, x: torch.Tensor, qr: torch.Tensor, rope: RopeTable, shard: SequenceShard | None = None
+    ) -> torch.Tensor:
+        """Index scores [B, L, N] of this slice's queries over all entries (``shard``: this rank's
+        slice, default the whole sequence), -inf where the entry is not yet visible."""
         x, qr = x.detach(), qr.detach()
         batch, seq_len, _ = x.shape
-        keys = self.compressor(x, rope).float()
+        shard = shard or SequenceShard.whole(seq_len)
+        keys = self.compressor.sequence_entries(x, rope, shard).float()
         q = self.wq_b(qr).view(batch, seq_len, self.n_heads, self.head_dim)
         q = apply_rope(q, rope).float()
         weights = _fp32_linear(x.float(), self.weights_proj) * self.scale
         logits = torch.einsum("bshd,bnd->bshn", q, keys).relu()
         index = torch.einsum("bshn,bsh->bsn", logits, weights)
-        visible = visible_entries(seq_len, keys.shape[1], self.ratio, x.device)
+        visible = visible_entries(seq_len, keys.shape[1], self.ratio, x.device, shard.start)
         return index.masked_fill(~visible, float("-inf"))
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, rope: RopeTable) -> torch.Tensor:
-        """Bool [B, S, N]: the entries each query reads (top-k among its visible ones)."""
-        return self.select(self.scores(x, qr, rope))
+    def forward(
+        self, x: torch.Tensor, qr: torch.Tensor, rope: RopeTable, shard: SequenceShard | None = None
+    ) -> torch.Tensor:
+        """Bool [B, L, N]: the entries each query reads (top-k among its visible ones)."""
+        return self.select(self.scores(x, qr, rope, shard))
 
     def select(self, index: torch.Tensor) -> torch.Tensor:
         """Bool [B, S, N]: the top-k finite entries of each row of :meth:`scores`."""
@@ -131,10 +159,15 @@ class Indexer(nn.Module):
 
 
 def indexer_kl(
-    index: torch.Tensor, attention_mass: torch.Tensor, reads: torch.Tensor
+    index: torch.Tensor,
+    attention_mass: torch.Tensor,
+    reads: torch.Tensor,
+    shard: SequenceShard | None = None,
 ) -> torch.Tensor:
     """``KL(p_t || softmax(I_t))`` over the entries query t ``reads``, averaged over the queries
     that read at least one entry (a mean, so the weight does not depend on batch or length).
+    Under context parallelism (``shard``) the queries are this rank's and the mean is over the
+    whole sequence's: the result is this rank's share of it.
 
     ``index`` [B, S, N] are the indexer scores (the only input with a gradient); ``attention_mass``
     [B, S, N] is the main attention's probability on each compressed entry summed over heads; its
@@ -147,4 +180,5 @@ def indexer_kl(
     logits = index.float().masked_fill(~reads, torch.finfo(torch.float32).min)
     kl = (torch.xlogy(target, target) - target * logits.log_softmax(dim=-1)).sum(dim=-1)
     rows = reads.any(dim=-1)
-    return (kl * rows).sum() / rows.sum().clamp_min(1)
+    count = rows.sum() if shard is None else shard.sum(rows.sum())
+    return (kl * rows).sum() / count.clamp_min(1)

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .attention import Attention
 from .config import DeepSeekV4Config
+from .context_parallel import ContextParallel, SequenceShard
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE, Router
 from .norms import RMSNorm
@@ -22,6 +23,18 @@ from .rope import RopeTable, rope_frequencies
 __all__ = ["Block", "DeepSeekV4", "LossTerms", "MTPBlock"]
 
 IGNORE_INDEX = -100
+
+
+def _cross_entropy_share(
+    logits: torch.Tensor, labels: torch.Tensor, shard: SequenceShard
+) -> torch.Tensor:
+    """Mean next-token CE over the valid ``labels`` [B, S] of the whole sequence, of which
+    ``logits`` [B, L, vocab] are this rank's slice: this rank's share of the mean."""
+    local = shard.local(labels)
+    total = F.cross_entropy(
+        logits.flatten(0, 1).float(), local.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return total / (labels != IGNORE_INDEX).sum()
 
 
 class LossTerms(NamedTuple):
@@ -94,16 +107,20 @@ class Block(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, rope: RopeTable, token_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        rope: RopeTable,
+        token_ids: torch.Tensor,
+        shard: SequenceShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Streams [B, S, n, dim] -> (new streams, this MoE's balance loss or None if hashed, the
         indexer loss or None if not CSA). The losses are returned, not collected through an
-        argument: FSDP may copy arguments."""
+        argument: FSDP may copy arguments. ``shard``: see :class:`Attention`."""
         u, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        out, indexer_loss = self.attn(self.attn_norm(u), rope)
+        out, indexer_loss = self.attn(self.attn_norm(u), rope, shard)
         x = hc_post(out, x, post, comb)
         u, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        y, balance = self.ffn(self.ffn_norm(u), token_ids)
+        y, balance = self.ffn(self.ffn_norm(u), token_ids, shard)
         return hc_post(y, x, post, comb), balance, indexer_loss
 
     def _pre(
@@ -150,11 +167,12 @@ class MTPBlock(Block):
         next_embedding: torch.Tensor,
         rope: RopeTable,
         token_ids: torch.Tensor,
+        shard: SequenceShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(The normalised hidden state [B, S, dim] the shared head turns into MTP logits, the
         block's balance loss)."""
         x = self.e_proj(self.enorm(next_embedding)).unsqueeze(-2) + self.h_proj(self.hnorm(streams))
-        x, balance, _ = self.forward(x, rope, token_ids)  # sliding window: no indexer
+        x, balance, _ = self.forward(x, rope, token_ids, shard)  # sliding window: no indexer
         collapsed = hc_head(
             x,
             self.hc_head_fn,
@@ -177,10 +195,15 @@ class MTPBlock(Block):
 
 
 class DeepSeekV4(nn.Module):
-    """``model(tokens)`` -> main-head logits; ``model.loss(tokens, labels)`` -> training loss."""
+    """``model(tokens)`` -> main-head logits; ``model.loss(tokens, labels)`` -> training loss.
+
+    With ``context_parallel`` set (:func:`ttnpu.dsv4.parallel.apply_context_parallel`) every rank
+    of the CP group is given the same whole sequences and computes its slice of them: the logits
+    are the slice's, and each loss is this rank's share (the group's shares sum to the loss)."""
 
     main_inv_freq: torch.Tensor
     compress_inv_freq: torch.Tensor
+    context_parallel: ContextParallel | None = None
 
     def __init__(self, config: DeepSeekV4Config) -> None:
         super().__init__()
@@ -245,26 +268,38 @@ class DeepSeekV4(nn.Module):
         return main, compress
 
     # Forward ---------------------------------------------------------------------------------
-    def _rope_tables(self, seq_len: int, device: torch.device) -> tuple[RopeTable, RopeTable]:
+    def shard(self, seq_len: int) -> SequenceShard:
+        """This rank's slice of a sequence of ``seq_len`` tokens (all of it without CP)."""
+        if self.context_parallel is None:
+            return SequenceShard.whole(seq_len)
+        return self.context_parallel.shard(seq_len)
+
+    def _rope_tables(
+        self, shard: SequenceShard, device: torch.device
+    ) -> tuple[RopeTable, RopeTable]:
+        size = shard.stop - shard.start
         return (
-            RopeTable.build(self.main_inv_freq, seq_len, device),
-            RopeTable.build(self.compress_inv_freq, seq_len, device),
+            RopeTable.build(self.main_inv_freq, size, device, shard.start),
+            RopeTable.build(self.compress_inv_freq, size, device, shard.start),
         )
 
     def body(
         self, tokens: torch.Tensor
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """The n-stream state [B, S, n, dim] after the last main block, the learned-gate layers'
-        balance losses and the CSA layers' indexer losses."""
+        """The n-stream state [B, L, n, dim] of this rank's slice (L = S without CP) after the
+        last main block, the learned-gate layers' balance losses and the CSA layers' indexer
+        losses."""
         if tokens.dim() != 2 or tokens.dtype != torch.long:
             raise ValueError(
                 f"tokens must be a LongTensor [B, S], got {tokens.dtype} {list(tokens.shape)}"
             )
-        main, compress = self._rope_tables(tokens.shape[1], tokens.device)
+        shard = self.shard(tokens.shape[1])
+        main, compress = self._rope_tables(shard, tokens.device)
+        tokens = shard.local(tokens)
         x = self.embed(tokens).unsqueeze(-2).expand(-1, -1, self.config.hc_mult, -1)
         balances, indexer_losses = [], []
         for block in self.layers:
-            x, balance, indexer_loss = block(x, compress if block.ratio else main, tokens)
+            x, balance, indexer_loss = block(x, compress if block.ratio else main, tokens, shard)
             if balance is not None:
                 balances.append(balance)
             if indexer_loss is not None:
@@ -283,7 +318,8 @@ class DeepSeekV4(nn.Module):
         return self.head(self.norm(collapsed))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] -> main-head logits [B, S, vocab]."""
+        """tokens [B, S] -> main-head logits [B, L, vocab] (this rank's slice; L = S without
+        CP)."""
         return self._logits(self.body(tokens)[0])
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -304,27 +340,26 @@ class DeepSeekV4(nn.Module):
         if labels.shape != tokens.shape:
             raise ValueError(f"labels {list(labels.shape)} must match tokens {list(tokens.shape)}")
         c = self.config
+        shard = self.shard(tokens.shape[1])
         streams, balances, indexer_losses = self.body(tokens)
-        logits = self._logits(streams)
-        lm = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX
-        )
+        lm = _cross_entropy_share(self._logits(streams), labels, shard)
         zero = lm.new_zeros(())
         mtp = zero
         if self.mtp and tokens.shape[1] > 1:
-            main_rope, _ = self._rope_tables(tokens.shape[1], tokens.device)
+            main_rope, _ = self._rope_tables(shard, tokens.device)
             # Position i sees t_{i+1} (= labels[i]) and predicts t_{i+2} (= labels[i+1]); where
             # labels[i] is ignored it sees a placeholder, so it is not trained there either.
-            next_embedding = self.embed(labels.clamp(min=0))
             target = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
             target = target.masked_fill(labels == IGNORE_INDEX, IGNORE_INDEX)
+            next_embedding = self.embed(shard.local(labels).clamp(min=0))
+            local_tokens = shard.local(tokens)
             for block in cast(list[MTPBlock], list(self.mtp)):
-                hidden, balance = block.predict(streams, next_embedding, main_rope, tokens)
+                hidden, balance = block.predict(
+                    streams, next_embedding, main_rope, local_tokens, shard
+                )
                 balances += [] if balance is None else [balance]
                 mtp_logits = self.head.forward(hidden)
-                mtp = mtp + F.cross_entropy(
-                    mtp_logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX
-                ) / len(self.mtp)
+                mtp = mtp + _cross_entropy_share(mtp_logits, target, shard) / len(self.mtp)
         balance = torch.stack(balances).sum() if balances else zero
         indexer = torch.stack(indexer_losses).sum() if indexer_losses else zero
         model_loss = lm

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .config import DeepSeekV4Config
+from .context_parallel import SequenceShard
 
 __all__ = [
     "Dispatch",
@@ -287,9 +288,10 @@ class MoE(nn.Module):
         self.dispatch: Dispatch = local_dispatch
 
     def forward(
-        self, x: torch.Tensor, token_ids: torch.Tensor
+        self, x: torch.Tensor, token_ids: torch.Tensor, shard: SequenceShard | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [B, S, dim] -> (y [B, S, dim], sequence balance loss or None on hash layers)."""
+        """x [B, S, dim] -> (y [B, S, dim], sequence balance loss or None on hash layers; under
+        context parallelism, ``shard``, this rank's share of the whole sequence's loss)."""
         batch, seq_len, dim = x.shape
         flat = x.reshape(-1, dim)
         if isinstance(self.gate, HashRouter):
@@ -305,7 +307,10 @@ class MoE(nn.Module):
         if self.hash_routed:
             return y, None
         return y, balance_loss(
-            scores.view(batch, seq_len, -1), indices.view(batch, seq_len, -1), self.num_experts
+            scores.view(batch, seq_len, -1),
+            indices.view(batch, seq_len, -1),
+            self.num_experts,
+            shard,
         )
 
     def reset_step_state(self) -> None:
@@ -320,9 +325,16 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
 
-def balance_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+def balance_loss(
+    scores: torch.Tensor,
+    indices: torch.Tensor,
+    num_experts: int,
+    shard: SequenceShard | None = None,
+) -> torch.Tensor:
     """Sequence-wise balance loss ``sum_i f_i P_i`` averaged over sequences (unscaled):
-    f_i = E / (K T) * #tokens routed to i, P_i = mean over tokens of the normalised scores."""
+    f_i = E / (K T) * #tokens routed to i, P_i = mean over tokens of the normalised scores.
+    Under context parallelism (``shard``: the tokens are this rank's slice) the counts are the
+    whole sequence's and the result is this rank's share: P_i is a sum over tokens."""
     batch, seq_len, top_k = indices.shape
     counts = torch.zeros(batch, num_experts, device=scores.device, dtype=torch.float32)
     counts.scatter_add_(
@@ -330,8 +342,10 @@ def balance_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int) 
         indices.reshape(batch, -1),
         torch.ones_like(indices.reshape(batch, -1), dtype=torch.float32),
     )
+    if shard is not None:
+        counts, seq_len = shard.sum(counts), shard.length
     f = counts * (num_experts / (top_k * seq_len))
-    p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
+    p = (scores / scores.sum(dim=-1, keepdim=True)).sum(dim=1) / seq_len
     return (f * p).sum(dim=-1).mean()
 
 

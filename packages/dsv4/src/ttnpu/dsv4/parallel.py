@@ -1,4 +1,9 @@
-"""Expert parallelism (all-to-all token dispatch over a device mesh) and FSDP2 sharding.
+"""Context parallelism, expert parallelism (all-to-all token dispatch over a device mesh) and
+FSDP2 sharding; applied in that order.
+
+CP: see :mod:`ttnpu.dsv4.context_parallel`; every rank of a CP group gets the same batch and
+computes its slice of the sequences, its loss is its share of the group's, and FSDP over the
+data x context ranks divides the summed gradients by the data-parallel size only.
 
 EP: each rank keeps ``E / ep`` consecutive experts, as DTensors sharded on the expert dim over
 the EP mesh (so checkpoints and grad-norm clipping see the whole expert tensors). A MoE layer
@@ -18,13 +23,40 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor, Shard
 
+from .context_parallel import ContextParallel
 from .model import DeepSeekV4
 from .moe import GroupedExperts, MoE
 
-__all__ = ["ExpertParallelDispatch", "apply_expert_parallel", "apply_fsdp"]
+__all__ = [
+    "ExpertParallelDispatch",
+    "apply_context_parallel",
+    "apply_expert_parallel",
+    "apply_fsdp",
+]
+
+
+def apply_context_parallel(model: DeepSeekV4, mesh: DeviceMesh) -> None:
+    """Split every sequence over the 1-D ``mesh``: each rank computes a contiguous slice of it.
+    Apply it before expert parallelism and FSDP (they scale gradients by the CP size)."""
+    if mesh.ndim != 1:
+        raise ValueError(f"context parallelism needs a 1-D mesh, got {mesh.ndim}-D {mesh}")
+    if model.context_parallel is not None:
+        raise ValueError("context parallelism is already applied to this model")
+    if any(isinstance(m, GroupedExperts) and isinstance(m.w1, DTensor) for m in model.modules()):
+        raise ValueError("apply context parallelism before expert parallelism")
+    model.context_parallel = ContextParallel(mesh.get_group())
+
+
+def _cp_size(model: DeepSeekV4) -> int:
+    return 1 if model.context_parallel is None else model.context_parallel.size
 
 
 class ExpertParallelDispatch:
@@ -83,8 +115,9 @@ def apply_expert_parallel(model: DeepSeekV4, mesh: DeviceMesh) -> None:
 
     Works on a model on the meta device (then ``to_empty`` + ``init_weights``) or on identically
     initialised full models (same seed on every rank). The EP group must be the whole
-    data-parallel group (EP = DP): expert gradients, summed over ranks by the all-to-all backward,
-    are divided by its size to give the gradient of the mean loss, as FSDP does for the rest."""
+    data-parallel group (EP = DP, or DP x CP under context parallelism): expert gradients,
+    summed over ranks by the all-to-all backward, are divided by the data-parallel size to give
+    the gradient of the mean loss, as FSDP does for the rest."""
     if mesh.ndim != 1:
         raise ValueError(f"expert parallelism needs a 1-D mesh, got {mesh.ndim}-D {mesh}")
     size, rank = mesh.size(), mesh.get_local_rank()
@@ -102,7 +135,7 @@ def apply_expert_parallel(model: DeepSeekV4, mesh: DeviceMesh) -> None:
             local = full.detach()[rank * per_rank : (rank + 1) * per_rank].clone()
             sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
             setattr(moe.experts, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
-        moe.experts.grad_scale = 1.0 / size
+        moe.experts.grad_scale = _cp_size(model) / size
         moe.dispatch = dispatch
 
 
@@ -111,7 +144,11 @@ def apply_fsdp(
 ) -> None:
     """FSDP2 per block, per MTP block and at the root, with ``mp_policy`` (default: none).
     Expert weights already sharded by :func:`apply_expert_parallel` stay out of it; they get the
-    policy's ``param_dtype`` as their compute dtype instead."""
+    policy's ``param_dtype`` as their compute dtype instead. Under context parallelism ``mesh``
+    spans data x context ranks and gradients are divided by the data-parallel size only."""
+    cp = _cp_size(model)
+    if mesh.size() % cp:
+        raise ValueError(f"the FSDP mesh of {mesh.size()} ranks is not data x {cp} CP ranks")
     policy = mp_policy or MixedPrecisionPolicy()
     ep_sharded = [
         m for m in model.modules() if isinstance(m, GroupedExperts) and isinstance(m.w1, DTensor)
@@ -125,5 +162,10 @@ def apply_fsdp(
         fully_shard(mtp, mesh=mesh, mp_policy=policy, ignored_params=experts)
         register_fsdp_forward_method(mtp, "predict")
     fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=experts)
+    if cp > 1:
+        for sharded in model.modules():
+            if isinstance(sharded, FSDPModule):
+                sharded.set_gradient_divide_factor(float(mesh.size() // cp))
+                sharded.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     register_fsdp_forward_method(model, "loss")
     register_fsdp_forward_method(model, "losses")

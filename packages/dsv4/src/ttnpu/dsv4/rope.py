@@ -44,20 +44,31 @@ def rope_frequencies(
 
 @dataclass(frozen=True)
 class RopeTable:
-    """cos/sin [S, rope_dim // 2] for positions 0..S-1 of one forward pass."""
+    """cos/sin [S, rope_dim // 2] for positions ``start .. start + S - 1`` of one forward pass
+    (``start`` > 0 on a context-parallel rank's slice), and the frequencies they come from."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    inv_freq: torch.Tensor
+    start: int = 0
 
     @classmethod
-    def build(cls, inv_freq: torch.Tensor, seq_len: int, device: torch.device) -> RopeTable:
-        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    def build(
+        cls, inv_freq: torch.Tensor, seq_len: int, device: torch.device, start: int = 0
+    ) -> RopeTable:
+        positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq.to(device=device, dtype=torch.float32))
-        return cls(angles.cos(), angles.sin())
+        return cls(angles.cos(), angles.sin(), inv_freq, start)
+
+    def span(self, start: int, stop: int) -> RopeTable:
+        """The table of positions ``start .. stop - 1`` (same frequencies)."""
+        return RopeTable.build(self.inv_freq, stop - start, self.cos.device, start)
 
     def every(self, stride: int, count: int) -> RopeTable:
-        """The rows of positions 0, stride, 2*stride, ... (compressed entry s sits at s * m)."""
-        return RopeTable(self.cos[::stride][:count], self.sin[::stride][:count])
+        """The rows of positions start, start + stride, ... (compressed entry s sits at s * m)."""
+        return RopeTable(
+            self.cos[::stride][:count], self.sin[::stride][:count], self.inv_freq, self.start
+        )
 
 
 def apply_rope(x: torch.Tensor, table: RopeTable, *, inverse: bool = False) -> torch.Tensor:
