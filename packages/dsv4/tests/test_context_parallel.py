@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from ttnpu.dsv4 import DeepSeekV4, DeepSeekV4Config
+from ttnpu.dsv4.context_parallel import compressor_halo, split
+from ttnpu.dsv4.parallel import check_context_parallel
 
 SEQ_LENS = (37, 53)  # multiples of neither 2, 4 (CP), 4 (CSA) nor 8 (HCA)
 TOLERANCE = 2e-5
@@ -163,7 +165,7 @@ def test_cp_shares_sum_to_the_one_process_losses_and_gradients(world: int, tmp_p
         assert len(cases) == 5 * len(SEQ_LENS)
         assert all(v < TOLERANCE for v in cases.values()), cases
         assert all(report[f"{k}/loss"] > 1 for k in cases)  # real losses, not zeros
-        assert "fewer than the 7-token halo" in report["short"]
+        assert "fewer than the 7-token halo of the 8-token sliding window" in report["short"]
 
 
 def test_fsdp_over_data_and_context_ranks_matches_one_process(tmp_path: Path) -> None:
@@ -171,12 +173,24 @@ def test_fsdp_over_data_and_context_ranks_matches_one_process(tmp_path: Path) ->
         assert report["fsdp"] < TOLERANCE
 
 
+def test_too_short_slices_are_refused_before_training() -> None:
+    config = _config("mixed")  # window 8, CSA 4 (reads 2 blocks), HCA 8
+    check_context_parallel(config, 37, 4)  # slices 10, 9, 9, 9: every halo fits
+    with pytest.raises(ValueError, match="rank 0 holds 6 tokens, fewer than the 7-token halo"):
+        check_context_parallel(config, 24, 4)
+    with pytest.raises(ValueError, match="cannot be split over 4"):
+        check_context_parallel(config, 3, 4)
+    assert split(37, 4) == ((0, 10), (10, 19), (19, 28), (28, 37))
+    # A slice starting at 19 reads block 4 (16..19) and, with CSA's overlap, block 3 (12..15).
+    assert compressor_halo(19, 4, True) == 7 and compressor_halo(19, 8, False) == 3
+
+
 def test_halo_and_gather_without_a_group_cost_nothing() -> None:
     from ttnpu.dsv4.context_parallel import SequenceShard
 
     shard = SequenceShard.whole(10)
     x = torch.randn(2, 10, 3)
-    assert torch.equal(shard.halo(x, 4), torch.zeros(2, 4, 3))
+    assert torch.equal(shard.halo(x, 4, "window"), torch.zeros(2, 4, 3))
     assert shard.gather_entries(x, 4) is x
     assert torch.equal(shard.local(x), x)
 

@@ -43,7 +43,7 @@ def _dims(**degrees: int) -> Any:
     ("degrees", "named"),
     [
         ({"tp": 2}, "{'tp': 2}"),
-        ({"cp": 2, "dp_shard": 2}, "{'cp': 2}"),
+        ({"tp": 2, "cp": 2}, "{'tp': 2}"),
         ({"pp": 4}, "{'pp': 4}"),
         ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, "{'dp_replicate': 2}"),
     ],
@@ -69,9 +69,11 @@ def test_parallelize_wants_ep_to_take_the_whole_fsdp_group() -> None:
     with torch.device("meta"):
         model = spec.model.build()
     with pytest.raises(
-        ValueError, match=r"\{'dp_shard': 4, 'ep': 2\}: ep must be 1 or equal dp_shard"
+        ValueError, match=r"\{'dp_shard': 4, 'cp': 1, 'ep': 2\}: ep must be 1 or dp_shard x cp"
     ):
         spec.parallelize_fn(model, parallel_dims=_dims(dp_shard=4, ep=2))
+    with pytest.raises(ValueError, match=r"\{'dp_shard': 2, 'cp': 2, 'ep': 2\}"):
+        spec.parallelize_fn(model, parallel_dims=_dims(dp_shard=2, cp=2, ep=2))
 
 
 def test_parallelize_leaves_a_one_rank_model_alone_and_rejects_other_models() -> None:

@@ -414,6 +414,15 @@ class DSV4Trainer(Trainer):
             stepper.close()
         super().close()
 
+    def post_dataloading_process(
+        self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """The whole sequences, also under context parallelism: DeepSeek-V4 computes its own
+        slice of them (``parallelism.context_parallel_degree``; see ``ttnpu.dsv4.titan``), so
+        torchtitan's sharding of the inputs is skipped."""
+        extra = {k: v for k, v in input_dict.items() if k != "input"}
+        return input_dict["input"], labels, extra
+
     def _forward_backward_body(
         self,
         inputs: torch.Tensor,

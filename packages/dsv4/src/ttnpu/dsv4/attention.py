@@ -35,7 +35,7 @@ def _windows(kv: torch.Tensor, window: int, shard: SequenceShard) -> torch.Tenso
     """[B, L, D] -> [B, L, D, W] view: the ``window`` keys ending at each position of the slice;
     the ``window - 1`` before it come from the previous rank (zeros before the sequence start,
     masked by :func:`window_mask`)."""
-    padded = torch.cat((shard.halo(kv, window - 1), kv), dim=1)
+    padded = torch.cat((shard.halo(kv, window - 1, f"{window}-token sliding window"), kv), dim=1)
     return padded.unfold(1, window, 1)
 
 

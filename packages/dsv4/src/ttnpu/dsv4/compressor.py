@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .context_parallel import SequenceShard
+from .context_parallel import SequenceShard, compressor_halo
 from .norms import RMSNorm
 from .rope import RopeTable, apply_rope
 
@@ -80,14 +80,11 @@ class Compressor(nn.Module):
         ``x`` [B, L, dim]: the rank compresses the blocks that end in its slice, reading the
         tokens before it (and, with overlap, the block before) from the previous rank, then the
         entries of all ranks are gathered."""
-        m, overlap = self.ratio, int(self.overlap)
-
-        def first_read(start: int) -> int:  # the first token that a slice's blocks read
-            return max(start // m - overlap, 0) * m
-
-        begin = first_read(shard.start)
-        most = max(start - first_read(start) for start, _ in shard.bounds)
-        halo = shard.halo(x, shard.start - begin, sent=most)
+        m = self.ratio
+        rows = compressor_halo(shard.start, m, self.overlap)
+        most = max(compressor_halo(start, m, self.overlap) for start, _ in shard.bounds)
+        halo = shard.halo(x, rows, f"compressed blocks of {m} tokens", sent=most)
+        begin = shard.start - rows
         own = self(torch.cat((halo, x), dim=1), rope.span(begin, shard.stop))
         return shard.gather_entries(own[:, shard.start // m - begin // m :], m)
 

@@ -24,6 +24,7 @@ communication: one code path for CP = 1 and CP > 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -31,7 +32,37 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-__all__ = ["ContextParallel", "SequenceShard"]
+__all__ = ["ContextParallel", "SequenceShard", "check_halo", "compressor_halo", "split"]
+
+
+def split(length: int, size: int) -> tuple[tuple[int, int], ...]:
+    """Each of ``size`` ranks' slice ``(start, stop)`` of a sequence of ``length`` tokens
+    (``torch.tensor_split``'s: the first ``length % size`` slices have one token more)."""
+    if length < size:
+        raise ValueError(
+            f"a sequence of {length} tokens cannot be split over {size} context-parallel ranks "
+            f"(every rank needs at least one token)"
+        )
+    small, extra = divmod(length, size)
+    starts = [r * small + min(r, extra) for r in range(size + 1)]
+    return tuple(pairwise(starts))
+
+
+def compressor_halo(start: int, ratio: int, overlap: bool) -> int:
+    """How many tokens before a slice starting at ``start`` its compressed blocks read: the part
+    of the block that straddles the border, and with ``overlap`` (CSA) the block before it."""
+    return start - max(start // ratio - int(overlap), 0) * ratio
+
+
+def check_halo(bounds: tuple[tuple[int, int], ...], rows: int, what: str) -> None:
+    """Every slice but the last must hold the ``rows``-token halo it sends to the next rank."""
+    for rank, (start, stop) in enumerate(bounds[:-1]):
+        if stop - start < rows:
+            raise ValueError(
+                f"context-parallel rank {rank} holds {stop - start} tokens, fewer than the "
+                f"{rows}-token halo of the {what} that the next rank needs: use a longer sequence "
+                f"or a lower context_parallel_degree"
+            )
 
 
 @dataclass(frozen=True)
@@ -49,15 +80,7 @@ class ContextParallel:
         return dist.get_rank(self.group)
 
     def shard(self, length: int) -> SequenceShard:
-        sizes = [len(part) for part in torch.arange(length).tensor_split(self.size)]
-        if min(sizes) == 0:
-            raise ValueError(
-                f"a sequence of {length} tokens cannot be split over {self.size} context-parallel "
-                f"ranks (every rank needs at least one token)"
-            )
-        starts = [sum(sizes[:i]) for i in range(self.size)]
-        bounds = tuple((s, s + n) for s, n in zip(starts, sizes, strict=True))
-        return SequenceShard(bounds, self.rank, self.group)
+        return SequenceShard(split(length, self.size), self.rank, self.group)
 
 
 @dataclass(frozen=True)
@@ -90,21 +113,15 @@ class SequenceShard:
         """This rank's slice of a whole-sequence tensor [B, S, ...]."""
         return x[:, self.start : self.stop]
 
-    def halo(self, x: torch.Tensor, rows: int, sent: int | None = None) -> torch.Tensor:
+    def halo(self, x: torch.Tensor, rows: int, what: str, sent: int | None = None) -> torch.Tensor:
         """The ``rows`` tokens before this slice, from the previous rank's local ``x`` [B, L, ...]
         (zeros before the sequence start). Every rank sends its last ``sent`` rows (default
-        ``rows``; the same on every rank) and keeps the last ``rows`` of what it receives."""
+        ``rows``; the same on every rank) and keeps the last ``rows`` of what it receives;
+        ``what`` needs them (named in the error when a slice is too short)."""
         sent = rows if sent is None else sent
         if self.group is None or sent == 0:
             return x.new_zeros(x.shape[0], rows, *x.shape[2:])
-        short = [(r, b - a) for r, (a, b) in enumerate(self.bounds[:-1]) if b - a < sent]
-        if short:
-            rank, size = short[0]
-            raise ValueError(
-                f"context-parallel rank {rank} holds {size} tokens, fewer than the {sent}-token "
-                f"halo the next rank needs (sliding window or compressed block): use a longer "
-                f"sequence or a lower context_parallel_degree"
-            )
+        check_halo(self.bounds, sent, what)
         received = _FromPrevious.apply(x[:, -sent:], self)
         return received[:, sent - rows :]
 

@@ -31,7 +31,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
-from .context_parallel import ContextParallel
+from .config import DeepSeekV4Config
+from .context_parallel import ContextParallel, check_halo, compressor_halo, split
 from .model import DeepSeekV4
 from .moe import GroupedExperts, MoE
 
@@ -40,6 +41,7 @@ __all__ = [
     "apply_context_parallel",
     "apply_expert_parallel",
     "apply_fsdp",
+    "check_context_parallel",
 ]
 
 
@@ -53,6 +55,16 @@ def apply_context_parallel(model: DeepSeekV4, mesh: DeviceMesh) -> None:
     if any(isinstance(m, GroupedExperts) and isinstance(m.w1, DTensor) for m in model.modules()):
         raise ValueError("apply context parallelism before expert parallelism")
     model.context_parallel = ContextParallel(mesh.get_group())
+
+
+def check_context_parallel(config: DeepSeekV4Config, seq_len: int, cp: int) -> None:
+    """Refuse, before any training, a sequence length whose ``cp`` slices are too short for the
+    halos the forward exchanges (the checks it would make at its first step)."""
+    bounds = split(seq_len, cp)
+    check_halo(bounds, config.window_size - 1, f"{config.window_size}-token sliding window")
+    for ratio in sorted(set(config.compress_ratios) - {0}):
+        rows = max(compressor_halo(start, ratio, config.is_csa(ratio)) for start, _ in bounds)
+        check_halo(bounds, rows, f"compressed blocks of {ratio} tokens")
 
 
 def _cp_size(model: DeepSeekV4) -> int:

@@ -32,7 +32,12 @@ from torchtitan.protocols.model_spec import ModelSpec
 from .config import DeepSeekV4Config
 from .model import DeepSeekV4
 from .moe import GroupedExperts, update_expert_bias
-from .parallel import apply_expert_parallel, apply_fsdp
+from .parallel import (
+    apply_context_parallel,
+    apply_expert_parallel,
+    apply_fsdp,
+    check_context_parallel,
+)
 
 __all__ = ["DeepSeekV4LM", "model_spec", "parallelize", "register_expert_bias_update"]
 
@@ -61,6 +66,8 @@ class DeepSeekV4LM(BaseModel):
                     f"training.seq_len {seq_len} exceeds the {self.flavor} flavor's "
                     f"max_seq_len {max_len}"
                 )
+            if (cp := config.parallelism.context_parallel_degree) > 1:
+                check_context_parallel(self.dsv4(), seq_len, cp)
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
             """Total parameters, and 6 x the parameters one token activates (routed experts
@@ -104,37 +111,44 @@ def parallelize(
     training: TrainingConfig | None = None,
     **_: Any,
 ) -> nn.Module:
-    """torchtitan's ``parallelize_fn``: expert parallelism over the ``ep`` mesh and FSDP2 over the
-    data-parallel shard mesh, applied to the model built on the meta device (torchtitan then
-    calls ``to_empty`` and ``init_weights``, which give every rank the shards of the unsharded
-    init). EP borrows the whole ``dp_shard`` group (``ep`` is 1 or ``dp_shard``); FSDP params
-    use ``training.mixed_precision_param`` / ``_reduce``. Other parallelisms (tp, cp, pp,
-    dp_replicate; replicas come from the trainer, e.g. torchft groups) raise ValueError.
+    """torchtitan's ``parallelize_fn``: context parallelism over the ``cp`` mesh, expert
+    parallelism over the ``ep`` mesh and FSDP2 over the data x context ranks, applied to the model
+    built on the meta device (torchtitan then calls ``to_empty`` and ``init_weights``, which give
+    every rank the shards of the unsharded init). EP borrows the whole FSDP group (``ep`` is 1 or
+    ``dp_shard * cp``); FSDP params use ``training.mixed_precision_param`` / ``_reduce``. Other
+    parallelisms (tp, pp, dp_replicate; replicas come from the trainer, e.g. torchft groups) raise
+    ValueError.
+
+    Under CP every rank of a CP group is fed the same batch (torchtitan's dataloader shards over
+    the ``batch`` mesh only) and the model computes its slice of the sequences; the trainer must
+    not shard the inputs itself (``DSV4Trainer`` does not).
 
     Gradients are summed over the ranks, not averaged (torchtitan's contract): its trainer
     already divides every rank's loss by the global number of valid tokens, so FSDP's division
     and the EP experts' 1/ep scale are turned off here."""
     unsupported = {
         name: getattr(parallel_dims, name)
-        for name in ("dp_replicate", "tp", "cp", "pp")
+        for name in ("dp_replicate", "tp", "pp")
         if getattr(parallel_dims, name) > 1
     }
     if unsupported:
         raise ValueError(
-            f"the torchtitan DeepSeek-V4 supports FSDP (dp_shard) and expert parallelism (ep) "
-            f"only; unsupported parallelism degrees {unsupported} (set them to 1)"
+            f"the torchtitan DeepSeek-V4 supports FSDP (dp_shard), context (cp) and expert (ep) "
+            f"parallelism only; unsupported parallelism degrees {unsupported} (set them to 1)"
         )
-    dp_shard, ep = parallel_dims.dp_shard, parallel_dims.ep
-    if ep not in (1, dp_shard):
+    dp_shard, cp, ep = parallel_dims.dp_shard, parallel_dims.cp, parallel_dims.ep
+    if ep not in (1, dp_shard * cp):
         raise ValueError(
-            f"unsupported parallelism degrees {{'dp_shard': {dp_shard}, 'ep': {ep}}}: ep must be "
-            f"1 or equal dp_shard, experts are sharded over the whole FSDP group (FSDP of the "
-            f"experts over the remaining efsdp group is not supported)"
+            f"unsupported parallelism degrees {{'dp_shard': {dp_shard}, 'cp': {cp}, 'ep': {ep}}}: "
+            f"ep must be 1 or dp_shard x cp, experts are sharded over the whole FSDP group (FSDP "
+            f"of the experts over the remaining efsdp group is not supported)"
         )
-    if dp_shard == 1:
+    if dp_shard * cp == 1:
         return model
     if not isinstance(model, DeepSeekV4LM):
         raise ValueError(f"parallelize shards a DeepSeekV4LM, got {type(model).__name__}")
+    if cp > 1:
+        apply_context_parallel(model.model, parallel_dims.get_mesh("cp"))
     if ep > 1:
         apply_expert_parallel(model.model, parallel_dims.get_mesh("ep"))
         for experts in model.modules():
@@ -155,8 +169,11 @@ def _sum_gradients(model: nn.Module) -> None:
 
 
 def _fsdp_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
-    """The dense data-parallel shard mesh: ``fsdp`` in torchtitan's ``partial_dtensor``
-    backend, ``dp_shard`` in its ``spmd_types`` and ``full_dtensor`` backends (cp is 1 here)."""
+    """The 1-D mesh of the data x context ranks: ``fsdp`` in torchtitan's ``partial_dtensor``
+    backend; in its ``spmd_types`` and ``full_dtensor`` backends ``dp_shard`` without CP, and the
+    flattened ``loss`` mesh (batch x cp, batch = dp_shard here) with it."""
+    if parallel_dims.spmd_backend != "partial_dtensor" and parallel_dims.cp > 1:
+        return parallel_dims.get_mesh("loss")
     name = "fsdp" if parallel_dims.spmd_backend == "partial_dtensor" else "dp_shard"
     return parallel_dims.get_mesh(name)
 
@@ -176,12 +193,12 @@ def register_expert_bias_update(
     parallel_dims: ParallelDims | None,
 ) -> None:
     """After every optimizer step, move each learned-gate MoE's expert bias towards balance
-    from the step's token counts (and reset the counts). Under data parallelism the counts are
-    summed over the ``batch`` mesh first, so every rank of the replica applies the same update
-    (``parallel_dims`` None: one rank)."""
+    from the step's token counts (and reset the counts). Under data and context parallelism the
+    counts are summed over the data x context (``loss``) mesh first, so every rank of the replica
+    applies the same update (``parallel_dims`` None: one rank)."""
     batch_mesh = None
-    if parallel_dims is not None and parallel_dims.dp_enabled:
-        batch_mesh = parallel_dims.get_optional_mesh("batch")
+    if parallel_dims is not None and parallel_dims.dp_cp_enabled:
+        batch_mesh = parallel_dims.get_optional_mesh("loss")
 
     def summed(counts: torch.Tensor) -> torch.Tensor:
         assert batch_mesh is not None
