@@ -86,3 +86,21 @@ def test_parallelize_leaves_a_one_rank_model_alone_and_rejects_other_models() ->
     assert spec.parallelize_fn(model, parallel_dims=_dims()) is model
     with pytest.raises(ValueError, match="shards a DeepSeekV4LM, got Linear"):
         spec.parallelize_fn(torch.nn.Linear(2, 2), parallel_dims=_dims(dp_shard=2))
+
+
+def test_a_sequence_too_short_for_the_cp_halos_is_refused_when_the_config_is_read() -> None:
+    pytest.importorskip("torchtitan")
+    from types import SimpleNamespace
+
+    from ttnpu.dsv4.titan import model_spec
+
+    def job(seq_len: int, cp: int) -> Any:
+        return SimpleNamespace(
+            training=SimpleNamespace(seq_len=seq_len),
+            parallelism=SimpleNamespace(context_parallel_degree=cp),
+        )
+
+    config = model_spec("debug").model  # window 32: each CP rank sends 31 tokens
+    config.update_from_config(config=job(64, 2))
+    with pytest.raises(ValueError, match="rank 0 holds 20 tokens, fewer than the 31-token halo"):
+        config.update_from_config(config=job(40, 2))
