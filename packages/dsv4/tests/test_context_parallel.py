@@ -1,7 +1,7 @@
 """Context parallelism on 2 and 4 gloo processes: summed over the CP ranks, every loss term and
 every gradient equals the one-process model's, for sequence lengths that are multiples of neither
 the degree nor the block sizes, and for every attention type (sliding window, CSA with its
-indexer in both stages, HCA, MTP); FSDP over data x context ranks gives the one-process
+indexer in both stages, HCA, MTP, and YaRN); FSDP over data x context ranks gives the one-process
 gradients of the whole batch. A slice shorter than the halo it must send is refused."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ttnpu.dsv4.parallel import check_context_parallel
 
 SEQ_LENS = (37, 53)  # multiples of neither 2, 4 (CP), 4 (CSA) nor 8 (HCA)
 TOLERANCE = 2e-5
+CASES = ("window", "csa", "csa-dense", "hca", "mixed", "mixed-yarn")
 
 
 def _config(case: str) -> DeepSeekV4Config:
@@ -32,9 +33,13 @@ def _config(case: str) -> DeepSeekV4Config:
         "csa-dense": (0, 4, 0, 4),
         "hca": (0, 8, 0, 8),
         "mixed": (0, 4, 8, 4),
+        "mixed-yarn": (0, 4, 8, 4),
     }[case]
     stage = "dense" if case == "csa-dense" else "sparse"
-    return base.replace(compress_ratios=ratios, indexer_stage=stage)
+    config = base.replace(compress_ratios=ratios, indexer_stage=stage)
+    if case == "mixed-yarn":  # YaRN on the compressed layers' RoPE, as Flash has it
+        config = config.replace(use_yarn=True, rope_factor=4.0, original_seq_len=16)
+    return config
 
 
 def _batch(seq_len: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +77,7 @@ def _cp_worker(rank: int, world: int, port: int, out: Path) -> None:
         return t
 
     report: dict[str, float | str] = {}
-    for case in ("window", "csa", "csa-dense", "hca", "mixed"):
+    for case in CASES:
         torch.manual_seed(0)
         reference = DeepSeekV4(_config(case))
         torch.manual_seed(0)
@@ -162,7 +167,7 @@ def test_cp_shares_sum_to_the_one_process_losses_and_gradients(world: int, tmp_p
     reports = _run("cp", world, tmp_path)
     for report in reports:
         cases = {k: v for k, v in report.items() if k.count("/") == 1}
-        assert len(cases) == 5 * len(SEQ_LENS)
+        assert len(cases) == len(CASES) * len(SEQ_LENS)
         assert all(v < TOLERANCE for v in cases.values()), cases
         assert all(report[f"{k}/loss"] > 1 for k in cases)  # real losses, not zeros
         assert "fewer than the 7-token halo of the 8-token sliding window" in report["short"]
