@@ -91,7 +91,7 @@ def test_parallelize_names_the_degrees_it_does_not_support() -> None:
     single = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
     assert parallelize(lm, parallel_dims=single) is lm
     sharded = ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=1, pp=1, ep=2, world_size=4)
-    with pytest.raises(ValueError, match=r"\{'dp_shard': 4, 'ep': 2\}"):
+    with pytest.raises(ValueError, match=r"\{'dp_shard': 4, 'cp': 1, 'ep': 2\}"):
         parallelize(lm, parallel_dims=sharded)
 
 
