@@ -38,6 +38,8 @@ __all__ = ["ContextParallel", "SequenceShard", "check_halo", "compressor_halo", 
 def split(length: int, size: int) -> tuple[tuple[int, int], ...]:
     """Each of ``size`` ranks' slice ``(start, stop)`` of a sequence of ``length`` tokens
     (``torch.tensor_split``'s: the first ``length % size`` slices have one token more)."""
+    if size < 1:
+        raise ValueError(f"the context-parallel degree must be >= 1, got {size}")
     if length < size:
         raise ValueError(
             f"a sequence of {length} tokens cannot be split over {size} context-parallel ranks "
