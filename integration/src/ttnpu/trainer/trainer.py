@@ -419,9 +419,13 @@ class DSV4Trainer(Trainer):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """The whole sequences, also under context parallelism: DeepSeek-V4 computes its own
         slice of them (``parallelism.context_parallel_degree``; see ``ttnpu.dsv4.titan``), so
-        torchtitan's sharding of the inputs is skipped."""
+        torchtitan's sharding of the inputs is skipped. The tokens of this rank's slice are
+        counted as seen, as torchtitan counts its shard (tokens/s is per rank)."""
+        inputs = input_dict["input"]
+        shard = self.model_parts[0].model.shard(inputs.shape[1])
+        self.ntokens_seen += inputs.shape[0] * (shard.stop - shard.start)
         extra = {k: v for k, v in input_dict.items() if k != "input"}
-        return input_dict["input"], labels, extra
+        return inputs, labels, extra
 
     def _forward_backward_body(
         self,
