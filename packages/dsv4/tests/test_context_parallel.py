@@ -1,8 +1,9 @@
 """Context parallelism on 2 and 4 gloo processes: summed over the CP ranks, every loss term and
 every gradient equals the one-process model's, for sequence lengths that are multiples of neither
 the degree nor the block sizes, and for every attention type (sliding window, CSA with its
-indexer in both stages, HCA, MTP, and YaRN); FSDP over data x context ranks gives the one-process
-gradients of the whole batch. A slice shorter than the halo it must send is refused."""
+indexer in both stages, HCA, MTP, and YaRN); FSDP over data x context ranks, with the experts
+split over those ranks too, gives the one-process gradients of the whole batch. A slice shorter
+than the halo it must send is refused."""
 
 from __future__ import annotations
 
@@ -103,12 +104,13 @@ def _cp_worker(rank: int, world: int, port: int, out: Path) -> None:
 
 
 def _fsdp_worker(rank: int, world: int, port: int, out: Path) -> None:
-    """FSDP over 2 data x 2 context ranks: the sharded gradients of each rank's share, reduced by
-    FSDP, against the one-process gradients of the whole batch."""
+    """FSDP and expert parallelism over 2 data x 2 context ranks: the sharded gradients of each
+    rank's share, reduced by FSDP and the all-to-all, against the one-process gradients of the
+    whole batch."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ttnpu.dsv4.parallel import apply_context_parallel, apply_fsdp
+    from ttnpu.dsv4.parallel import apply_context_parallel, apply_expert_parallel, apply_fsdp
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -120,7 +122,9 @@ def _fsdp_worker(rank: int, world: int, port: int, out: Path) -> None:
     torch.manual_seed(0)
     model = DeepSeekV4(_config("mixed"))
     apply_context_parallel(model, grid["cp"])
-    apply_fsdp(model, grid._flatten("dp_cp"))
+    data_and_context = grid._flatten("dp_cp")
+    apply_expert_parallel(model, data_and_context)  # 4 of the 16 experts per rank
+    apply_fsdp(model, data_and_context)
     tokens, labels = _batch(SEQ_LENS[0], batch=4)  # each data rank's mean: over equal counts
     _, want = _terms_and_grads(reference, tokens, labels)
     rows = slice(2 * grid.get_local_rank("dp"), 2 * grid.get_local_rank("dp") + 2)
@@ -173,7 +177,7 @@ def test_cp_shares_sum_to_the_one_process_losses_and_gradients(world: int, tmp_p
         assert "fewer than the 7-token halo of the 8-token sliding window" in report["short"]
 
 
-def test_fsdp_over_data_and_context_ranks_matches_one_process(tmp_path: Path) -> None:
+def test_fsdp_and_ep_over_data_and_context_ranks_match_one_process(tmp_path: Path) -> None:
     for report in _run("fsdp", 4, tmp_path):
         assert report["fsdp"] < TOLERANCE
 

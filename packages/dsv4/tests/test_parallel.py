@@ -118,3 +118,18 @@ def test_bf16_mixed_precision_stays_near_the_fp32_loss_with_fp32_gradients(
         assert param.dtype == torch.float32, name
         assert param.grad is not None and param.grad.dtype == torch.float32, name
         assert torch.isfinite(_full(param.grad)).all(), name
+
+
+def test_context_parallelism_is_applied_once_and_before_expert_parallelism(
+    tiny: DeepSeekV4Config, mesh: DeviceMesh
+) -> None:
+    from ttnpu.dsv4.parallel import apply_context_parallel
+
+    model = DeepSeekV4(tiny)
+    apply_context_parallel(model, mesh)
+    with pytest.raises(ValueError, match="already applied"):
+        apply_context_parallel(model, mesh)
+    sharded = DeepSeekV4(tiny)
+    apply_expert_parallel(sharded, mesh)
+    with pytest.raises(ValueError, match="before expert parallelism"):
+        apply_context_parallel(sharded, mesh)
