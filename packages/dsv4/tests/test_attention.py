@@ -2,8 +2,10 @@ import pytest
 import torch
 
 from ttnpu.dsv4 import DeepSeekV4Config
-from ttnpu.dsv4.attention import Attention, window_mask
-from ttnpu.dsv4.compressor import Compressor, visible_entries
+from ttnpu.dsv4.attention import Attention
+from ttnpu.dsv4.backends.masks import visible_entries, window_mask
+from ttnpu.dsv4.backends.selection import picks_mask, select_topk
+from ttnpu.dsv4.compressor import Compressor
 from ttnpu.dsv4.rope import RopeTable, rope_frequencies
 
 
@@ -63,10 +65,13 @@ def test_indexer_selects_top_k_of_the_visible_entries_only(tiny: DeepSeekV4Confi
     assert attn.indexer is not None
     x, seq_len = torch.randn(1, 33, tiny.dim), 33
     qr = attn.q_norm(attn.wq_a(x))
-    reads = attn.indexer(x, qr, _rope(tiny, seq_len))[0]
+    factors = attn.indexer(x, qr, _rope(tiny, seq_len))
+    picks = select_topk(factors, 0, 4, chunk_logits=1 << 20)
+    reads = picks_mask(picks, 8)[0]
     visible = visible_entries(seq_len, 8, 4, x.device)
     assert not (reads & ~visible).any()
     assert torch.equal(reads.sum(-1), visible.sum(-1).clamp(max=tiny.index_topk))
+    assert torch.equal((picks[0] >= 0).sum(-1), reads.sum(-1))  # no pick twice
 
 
 def test_window_sees_exactly_min_t_plus_1_and_window_tokens(tiny: DeepSeekV4Config) -> None:

@@ -2,9 +2,10 @@ import pytest
 import torch
 
 from ttnpu.dsv4 import DeepSeekV4, DeepSeekV4Config
-from ttnpu.dsv4 import attention as attention_module
 from ttnpu.dsv4.attention import Attention
-from ttnpu.dsv4.compressor import indexer_kl, visible_entries
+from ttnpu.dsv4.backends import reference
+from ttnpu.dsv4.backends.masks import visible_entries
+from ttnpu.dsv4.compressor import indexer_kl
 from ttnpu.dsv4.context_parallel import SequenceShard
 from ttnpu.dsv4.rope import RopeTable, rope_frequencies
 
@@ -49,8 +50,9 @@ def test_indexer_target_is_the_attention_mass_it_reads(
     tiny: DeepSeekV4Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Dense warm-up: the attention does not depend on the index scores, so scores equal to the
-    log of the recorded target must give a zero loss from the same forward."""
-    attn = Attention(tiny.replace(indexer_stage="dense"), 4)
+    log of the recorded target must give a zero loss from the same forward (the reference
+    backend, which states the function; the others are tested equal to it)."""
+    attn = Attention(tiny.replace(indexer_stage="dense", attention_backend="reference"), 4)
     attn.reset_parameters(0.2)
     assert attn.indexer is not None
     seq_len = 27
@@ -64,7 +66,7 @@ def test_indexer_target_is_the_attention_mass_it_reads(
         targets.append(mass.detach())
         return indexer_kl(index, mass, reads, shard)
 
-    monkeypatch.setattr(attention_module, "indexer_kl", recording)
+    monkeypatch.setattr(reference, "indexer_kl", recording)
     out, loss = attn(x, rope)
     assert loss is not None and loss > 0
     mass = targets[0]
@@ -72,7 +74,7 @@ def test_indexer_target_is_the_attention_mass_it_reads(
     assert torch.equal(mass > 0, visible.expand_as(mass))  # every visible entry, nothing else
     assert (mass.sum(-1) < tiny.n_heads).all()  # summed over heads, shared with window and sink
     perfect = mass.clamp_min(1e-30).log().masked_fill(~visible, float("-inf"))
-    monkeypatch.setattr(attn.indexer, "scores", lambda *args: perfect)
+    monkeypatch.setattr(reference, "index_scores", lambda *args: perfect)
     out_again, zero = attn(x, rope)
     assert torch.equal(out_again, out)
     assert zero is not None and abs(zero.item()) < 1e-6

@@ -5,7 +5,7 @@ A compressor turns every complete block of ``ratio`` tokens into one entry: a pe
 over the block's gate logits (plus a learned position bias ``ape``) weights the block's projected
 kv. With ``overlap`` (CSA, ratio 4) each entry also reads the previous block through the first half
 of the 2c-wide projections, giving windows of 2m tokens at stride m. Entry s gets RoPE at s * m and
-is visible to query t iff ``s < (t + 1) // m`` (see :func:`visible_entries`).
+is visible to query t iff ``s < (t + 1) // m`` (see :func:`.backends.masks.visible_entries`).
 
 Top-k is not differentiable and the indexer's inputs are detached, so the indexer learns only from
 :func:`indexer_kl` (DSA / V3.2 distillation towards the main attention), and that loss never
@@ -18,21 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .backends import IndexerInputs
 from .context_parallel import SequenceShard, compressor_halo
 from .norms import RMSNorm
 from .rope import RopeTable, apply_rope
 
-__all__ = ["Compressor", "Indexer", "indexer_kl", "visible_entries"]
-
-
-def visible_entries(
-    seq_len: int, n_entries: int, ratio: int, device: torch.device, start: int = 0
-) -> torch.Tensor:
-    """Bool [S, N]: query t (positions ``start ..``) may read entry s iff its source block ends at
-    or before t."""
-    t = torch.arange(start, start + seq_len, device=device).unsqueeze(1)
-    s = torch.arange(n_entries, device=device).unsqueeze(0)
-    return s < (t + 1) // ratio
+__all__ = ["Compressor", "Indexer", "indexer_kl", "indexer_kl_rows"]
 
 
 def _fp32_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
@@ -96,9 +87,11 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """Lightning indexer: ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s])``; keeps the top-k
-    visible entries per query. Its inputs are detached: top-k gives the LM loss no gradient path,
-    and its own objective (:func:`indexer_kl`) must not train the main model."""
+    """Lightning indexer: ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s])``; the attention reads
+    the top-k visible entries of each query by this score. Its inputs are detached: top-k gives
+    the LM loss no gradient path, and its own objective (:func:`indexer_kl`) must not train the
+    main model. The scores themselves are computed by the attention backend, from the factors
+    this module returns."""
 
     def __init__(
         self,
@@ -117,11 +110,17 @@ class Indexer(nn.Module):
         self.compressor = Compressor(dim, head_dim, ratio, overlap=True, eps=eps)
         self.scale = head_dim**-0.5 * n_heads**-0.5
 
-    def scores(
-        self, x: torch.Tensor, qr: torch.Tensor, rope: RopeTable, shard: SequenceShard | None = None
-    ) -> torch.Tensor:
-        """Index scores [B, L, N] of this slice's queries over all entries (``shard``: this rank's
-        slice, default the whole sequence), -inf where the entry is not yet visible."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        rope: RopeTable,
+        shard: SequenceShard | None = None,
+        *,
+        sparse: bool = True,
+    ) -> IndexerInputs:
+        """The score's factors for this slice's queries (``shard``: this rank's slice, default
+        the whole sequence) over every entry; ``sparse`` False: the dense warm-up."""
         x, qr = x.detach(), qr.detach()
         batch, seq_len, _ = x.shape
         shard = shard or SequenceShard.whole(seq_len)
@@ -129,30 +128,30 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).view(batch, seq_len, self.n_heads, self.head_dim)
         q = apply_rope(q, rope).float()
         weights = _fp32_linear(x.float(), self.weights_proj) * self.scale
-        logits = torch.einsum("bshd,bnd->bshn", q, keys).relu()
-        index = torch.einsum("bshn,bsh->bsn", logits, weights)
-        visible = visible_entries(seq_len, keys.shape[1], self.ratio, x.device, shard.start)
-        return index.masked_fill(~visible, float("-inf"))
-
-    def forward(
-        self, x: torch.Tensor, qr: torch.Tensor, rope: RopeTable, shard: SequenceShard | None = None
-    ) -> torch.Tensor:
-        """Bool [B, L, N]: the entries each query reads (top-k among its visible ones)."""
-        return self.select(self.scores(x, qr, rope, shard))
-
-    def select(self, index: torch.Tensor) -> torch.Tensor:
-        """Bool [B, S, N]: the top-k finite entries of each row of :meth:`scores`."""
-        n = index.shape[-1]
-        selected = torch.zeros_like(index, dtype=torch.bool)
-        if n:
-            picks = index.topk(min(self.topk, n), dim=-1).indices
-            selected.scatter_(-1, picks, True)
-        return selected & index.isfinite()
+        return IndexerInputs(q, keys, weights, self.topk, sparse)
 
     def reset_parameters(self, std: float) -> None:
         nn.init.normal_(self.wq_b.weight, std=std)
         nn.init.normal_(self.weights_proj.weight, std=std)
         self.compressor.reset_parameters(std)
+
+
+def indexer_kl_rows(
+    index: torch.Tensor, attention_mass: torch.Tensor, reads: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``KL(p_t || softmax(I_t))`` per query [..., S], bool [..., S]: the queries that read at
+    least one entry; the KL of the others is 0). ``index`` [..., S, K] are the indexer scores of
+    K entries (the only input with a gradient); ``attention_mass`` [..., S, K] is the main
+    attention's probability on each of them summed over heads; its restriction to ``reads``
+    (bool, broadcastable), L1-normalised and detached, is the target p."""
+    reads = reads.expand(index.shape)
+    target = attention_mass.detach().float().masked_fill(~reads, 0.0)
+    target = target / target.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    # Finite fill, not -inf: a row without entries stays finite (and is left out of the mean).
+    logits = index.float().masked_fill(~reads, torch.finfo(torch.float32).min)
+    kl = (torch.xlogy(target, target) - target * logits.log_softmax(dim=-1)).sum(dim=-1)
+    rows = reads.any(dim=-1)
+    return kl * rows, rows
 
 
 def indexer_kl(
@@ -161,21 +160,10 @@ def indexer_kl(
     reads: torch.Tensor,
     shard: SequenceShard | None = None,
 ) -> torch.Tensor:
-    """``KL(p_t || softmax(I_t))`` over the entries query t ``reads``, averaged over the queries
-    that read at least one entry (a mean, so the weight does not depend on batch or length).
-    Under context parallelism (``shard``) the queries are this rank's and the mean is over the
-    whole sequence's: the result is this rank's share of it.
-
-    ``index`` [B, S, N] are the indexer scores (the only input with a gradient); ``attention_mass``
-    [B, S, N] is the main attention's probability on each compressed entry summed over heads; its
-    restriction to ``reads`` (bool, broadcastable), L1-normalised and detached, is the target p.
-    """
-    reads = reads.expand(index.shape)
-    target = attention_mass.detach().float().masked_fill(~reads, 0.0)
-    target = target / target.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    # Finite fill, not -inf: a row without entries stays finite (and is left out of the mean).
-    logits = index.float().masked_fill(~reads, torch.finfo(torch.float32).min)
-    kl = (torch.xlogy(target, target) - target * logits.log_softmax(dim=-1)).sum(dim=-1)
-    rows = reads.any(dim=-1)
+    """:func:`indexer_kl_rows` averaged over the queries that read at least one entry (a mean,
+    so the weight does not depend on batch or length). Under context parallelism (``shard``)
+    the queries are this rank's and the mean is over the whole sequence's: the result is this
+    rank's share of it."""
+    kl, rows = indexer_kl_rows(index, attention_mass, reads)
     count = rows.sum() if shard is None else shard.sum(rows.sum())
-    return (kl * rows).sum() / count.clamp_min(1)
+    return kl.sum() / count.clamp_min(1)

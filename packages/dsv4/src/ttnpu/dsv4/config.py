@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-__all__ = ["DeepSeekV4Config", "IndexerStage"]
+__all__ = ["AttentionBackend", "DeepSeekV4Config", "IndexerStage"]
+
+# How the attention core is computed (ttnpu.dsv4.backends); every backend computes one function.
+AttentionBackend = Literal["reference", "chunked", "flex", "npu"]
 
 # Lightning-indexer training stage: "dense" warm-up (CSA reads every visible compressed entry, the
 # KL covers all of them, only the indexer trains) or "sparse" (top-k reads, KL on the selection).
 IndexerStage = Literal["dense", "sparse"]
+
+_BACKENDS = get_args(AttentionBackend)
 
 # The overlapping compressor plus lightning indexer is built exactly for this ratio (official rule).
 CSA_RATIO = 4
@@ -61,6 +66,12 @@ class DeepSeekV4Config:
     balance_loss_coef: float = 1e-4
     indexer_stage: IndexerStage = "sparse"
     indexer_loss_weight: float = 1.0
+    # Not architecture (not in config.json): how the attention is computed. "chunked" bounds
+    # memory on any device; "reference" is the dense masked statement (parity tests); "flex"
+    # (CUDA) and "npu" (Ascend) use fused kernels.
+    attention_backend: AttentionBackend = "chunked"
+    # The chunked backend's budget: at most this many logits (queries x heads x keys) per chunk.
+    attention_chunk_logits: int = 1 << 24
     init_std: float = 0.02
     hc_init_scale: float = 0.01
     hash_seed: int = 0
@@ -90,6 +101,12 @@ class DeepSeekV4Config:
                 f"indexer_stage must be 'dense' or 'sparse', got {self.indexer_stage!r}",
             ),
             (self.indexer_loss_weight >= 0, "indexer_loss_weight must be >= 0"),
+            (
+                self.attention_backend in _BACKENDS,
+                f"attention_backend must be one of {list(_BACKENDS)}, "
+                f"got {self.attention_backend!r}",
+            ),
+            (self.attention_chunk_logits >= 1, "attention_chunk_logits must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
