@@ -47,7 +47,7 @@ def _terms_and_grads(
 @pytest.mark.parametrize("chunk_logits", [1 << 24, 96], ids=["one-chunk", "many-chunks"])
 def test_chunked_equals_reference(case: str, seq_len: int, chunk_logits: int) -> None:
     """fp32, relative to each gradient's largest entry; MTP on. With 96 logits a chunk holds
-    two to four queries and the indexer scores key blocks of 8 entries: both loops run."""
+    one to five queries and the indexer scores key blocks of 8 entries: both loops run."""
     config = DeepSeekV4Config.from_flavor("micro").replace(
         n_mtp_layers=1, index_topk=3, attention_chunk_logits=chunk_logits, **CASES[case]
     )

@@ -8,7 +8,8 @@ entries and the sink. On CSA layers the entries are the indexer's top-k, gathere
 visible to the chunk's last query (``[c, H, n]``, masked per query). The indexer's selection runs
 in query chunks and key blocks (:func:`.selection.select_topk`), and its distillation loss is
 computed per chunk, from the scores at the entries the chunk reads. The chunk length follows
-``chunk_logits``: at most that many logits (queries x heads x keys) per chunk.
+``chunk_logits``: at most that many logits (queries x heads x keys), plus the gathered entries
+and indexer keys on CSA layers, per chunk.
 """
 
 from __future__ import annotations
@@ -29,16 +30,17 @@ def chunked_attention(inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tens
     q, shard, ix, entries = inputs.q, inputs.shard, inputs.indexer, inputs.entries
     length, heads = q.shape[1], q.shape[2]
     picks = None
-    keys_per_query = inputs.window + 1
+    per_query = heads * (inputs.window + 1)  # logits (and, when gathered, entry elements)
     if entries is not None and entries.shape[1] == 0:
         entries = None  # a sequence shorter than one block
     if entries is not None:
         if ix is not None and ix.sparse:
             picks = select_topk(ix, shard.start, inputs.ratio, inputs.chunk_logits)
-            keys_per_query += picks.shape[-1]
+            k = picks.shape[-1]
+            per_query += heads * k + k * (entries.shape[-1] + ix.keys.shape[-1])
         else:
-            keys_per_query += entries.shape[1]
-    rows = max(1, min(length, inputs.chunk_logits // (heads * keys_per_query)))
+            per_query += heads * entries.shape[1]
+    rows = max(1, min(length, inputs.chunk_logits // per_query))
     outs: list[torch.Tensor] = []
     kl_sum = q.new_zeros((), dtype=torch.float32)
     rows_read = torch.zeros((), dtype=torch.long, device=q.device)
