@@ -24,11 +24,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.config.configs import TrainingConfig
+from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
 from torchtitan.protocols import BaseModel
 from torchtitan.protocols.model_spec import ModelSpec
 
+from .ac_compile import apply_activation_checkpointing, apply_compile, check_options
 from .config import DeepSeekV4Config
 from .model import DeepSeekV4
 from .moe import GroupedExperts, update_expert_bias
@@ -109,15 +111,21 @@ def parallelize(
     *,
     parallel_dims: ParallelDims,
     training: TrainingConfig | None = None,
-    **_: Any,
+    parallelism: ParallelismConfig | None = None,
+    compile_config: CompileConfig | None = None,
+    ac_config: ActivationCheckpointingConfig | None = None,
+    dump_folder: str = "",
 ) -> nn.Module:
-    """torchtitan's ``parallelize_fn``: context parallelism over the ``cp`` mesh, expert
-    parallelism over the ``ep`` mesh and FSDP2 over the data x context ranks, applied to the model
+    """torchtitan's ``parallelize_fn`` (the keywords its Trainer passes): context parallelism
+    over the ``cp`` mesh, expert parallelism over the ``ep`` mesh, ``torch.compile`` and activation
+    checkpointing per block (:mod:`ttnpu.dsv4.ac_compile`, from ``compile_config`` and
+    ``ac_config``, also on one rank) and FSDP2 over the data x context ranks, applied to the model
     built on the meta device (torchtitan then calls ``to_empty`` and ``init_weights``, which give
     every rank the shards of the unsharded init). EP borrows the whole FSDP group (``ep`` is 1 or
     ``dp_shard * cp``); FSDP params use ``training.mixed_precision_param`` / ``_reduce``. Other
-    parallelisms (tp, pp, dp_replicate; replicas come from the trainer, e.g. torchft groups) raise
-    ValueError.
+    parallelisms (tp, pp, dp_replicate; replicas come from the trainer, e.g. torchft groups), and
+    compile or activation-checkpointing options the model cannot honour, raise ValueError naming
+    them, before the model is changed.
 
     Under CP every rank of a CP group is fed the same batch (torchtitan's dataloader shards over
     the ``batch`` mesh only) and the model computes its slice of the sequences; the trainer must
@@ -143,10 +151,9 @@ def parallelize(
             f"ep must be 1 or dp_shard x cp, experts are sharded over the whole FSDP group (FSDP "
             f"of the experts over the remaining efsdp group is not supported)"
         )
-    if dp_shard * cp == 1:
-        return model
     if not isinstance(model, DeepSeekV4LM):
         raise ValueError(f"parallelize shards a DeepSeekV4LM, got {type(model).__name__}")
+    check_options(ac_config, compile_config, model.model)
     if cp > 1:
         apply_context_parallel(model.model, parallel_dims.get_mesh("cp"))
     if ep > 1:
@@ -154,6 +161,10 @@ def parallelize(
         for experts in model.modules():
             if isinstance(experts, GroupedExperts):
                 experts.grad_scale = 1.0
+    apply_compile(model.model, compile_config)  # compiled blocks are checkpointed, not the reverse
+    apply_activation_checkpointing(model.model, ac_config, dump_folder)
+    if dp_shard * cp == 1:
+        return model
     apply_fsdp(model.model, _fsdp_mesh(parallel_dims), _mixed_precision(training))
     _sum_gradients(model)
     return model
