@@ -1,0 +1,141 @@
+"""The flex backend computes the reference's function: every loss term and every parameter
+gradient, fp32, on every layer type.
+
+On CUDA (skipped elsewhere) the backend runs as configured: compiled flex_attention and
+create_block_mask. On a CPU it refuses; the same code is also checked there through flex's own
+eager implementation (its dense math, forward and backward), with torch's CPU guard lifted for
+the test. Self-contained: ``uv run pytest packages/dsv4/tests/test_backend_flex.py`` on a CUDA
+machine runs the real thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.attention.flex_attention as torch_flex
+
+from ttnpu.dsv4 import DeepSeekV4, DeepSeekV4Config
+from ttnpu.dsv4.backends import AttentionInputs, IndexerInputs, attend, flex
+from ttnpu.dsv4.context_parallel import SequenceShard
+
+LAYERS: dict[str, dict[str, Any]] = {
+    "window": dict(compress_ratios=(0, 0)),
+    "csa": dict(compress_ratios=(0, 4)),
+    "csa-dense": dict(compress_ratios=(0, 4), indexer_stage="dense"),
+    "hca": dict(compress_ratios=(0, 8)),
+    "mixed": dict(compress_ratios=(4, 8)),
+}
+TOLERANCE = 1e-5
+
+
+def _config(layers: str, **changes: object) -> DeepSeekV4Config:
+    return DeepSeekV4Config.from_flavor("micro").replace(
+        n_layers=2, n_mtp_layers=1, index_topk=3, **LAYERS[layers], **changes
+    )
+
+
+def _run(
+    config: DeepSeekV4Config, state: dict[str, torch.Tensor], tokens: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(Every loss term, every parameter gradient) of ``config``'s model at ``state``."""
+    model = DeepSeekV4(config).to(tokens.device)
+    model.load_state_dict(state)
+    labels = torch.roll(tokens, -1, 1)
+    labels[:, 5] = -100
+    terms = model.losses(tokens, labels)
+    terms.total.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return torch.stack([t.detach() for t in terms]), grads
+
+
+def _assert_matches_reference(layers: str, seq_len: int, device: torch.device) -> None:
+    config = _config(layers, attention_backend="flex")
+    state = DeepSeekV4(config).state_dict()
+    tokens = torch.randint(0, config.vocab_size, (2, seq_len), device=device)
+    want, want_grads = _run(config.replace(attention_backend="reference"), state, tokens)
+    got, grads = _run(config, state, tokens)
+    assert grads.keys() == want_grads.keys()
+    torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
+    assert (want[4] > 0) == (layers in ("csa", "csa-dense", "mixed"))  # the indexer KL
+    for name, grad in grads.items():
+        scale = want_grads[name].abs().max().clamp_min(1e-3)
+        assert (grad - want_grads[name]).abs().max() / scale < TOLERANCE, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flex backend needs CUDA")
+@pytest.mark.parametrize("layers", list(LAYERS))
+@pytest.mark.parametrize("seq_len", [37, 300])
+def test_flex_equals_reference_on_cuda(layers: str, seq_len: int) -> None:
+    """Compiled flex (Triton); 300 tokens span several 128-blocks of queries and keys."""
+    _assert_matches_reference(layers, seq_len, torch.device("cuda"))
+
+
+@pytest.fixture
+def eager_flex_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend through flex's eager implementation, with its CPU guard lifted."""
+    monkeypatch.setattr(torch_flex, "_validate_device", lambda *tensors: None)
+    monkeypatch.setattr(flex, "flex_attention_backend", flex.flex_attention_core)
+
+
+@pytest.mark.usefixtures("eager_flex_on_cpu")
+@pytest.mark.parametrize("layers", list(LAYERS))
+def test_flex_math_equals_reference_on_cpu(layers: str) -> None:
+    """The mask (window, visibility, the binary search over the picks), the sink from the
+    log-sum-exp and the KL from it, forward and backward, through flex's dense math."""
+    _assert_matches_reference(layers, 37, torch.device("cpu"))
+
+
+@pytest.mark.usefixtures("eager_flex_on_cpu")
+@pytest.mark.parametrize("start", [0, 21])
+def test_flex_math_equals_reference_on_a_slice(start: int) -> None:
+    """A context-parallel slice (window halo, absolute positions), more picks than a power of
+    two, and a query that reads nothing but its window."""
+    torch.manual_seed(1)
+    length, window, heads, dim, ratio = 19, 5, 3, 16, 4
+    n = (start + length) // ratio
+    shard = SequenceShard(((0, start), (start, start + length)), rank=1) if start else None
+    leaves = [
+        torch.randn(2, length, heads, dim),
+        torch.randn(2, window - 1 + length, dim),
+        torch.randn(heads),
+        torch.randn(2, n, dim),
+        torch.randn(2, length, 2, 8),
+        torch.randn(2, n, 8),
+        torch.randn(2, length, 2),
+    ]
+    for leaf in leaves:
+        leaf.requires_grad_()
+    q, keys, sink, entries, index_q, index_keys, index_weights = leaves
+    results = {}
+    for backend in ("reference", "flex"):
+        inputs = AttentionInputs(
+            q=q,
+            keys=keys,
+            window=window,
+            sink=sink,
+            scale=0.25,
+            shard=shard or SequenceShard.whole(length),
+            entries=entries,
+            ratio=ratio,
+            indexer=IndexerInputs(index_q, index_keys, index_weights, 5, sparse=True),
+        )
+        out, loss = attend(backend, inputs)
+        assert loss is not None
+        grads = torch.autograd.grad((out * out.detach()).sum() + loss, leaves)
+        results[backend] = (out, loss, grads)
+    (out, loss, grads), (want_out, want_loss, want_grads) = results["flex"], results["reference"]
+    torch.testing.assert_close(out, want_out, rtol=TOLERANCE, atol=TOLERANCE)
+    torch.testing.assert_close(loss, want_loss, rtol=TOLERANCE, atol=TOLERANCE)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert (got - want).abs().max() / want.abs().max().clamp_min(1e-3) < TOLERANCE
+
+
+def test_flex_refuses_a_cpu() -> None:
+    config = _config("csa", attention_backend="flex")
+    tokens = torch.randint(0, config.vocab_size, (1, 16))
+    with pytest.raises(
+        ValueError, match=r"^attention_backend='flex' needs a CUDA device; got cpu$"
+    ):
+        DeepSeekV4(config).loss(tokens, tokens)
