@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -157,32 +158,20 @@ LAYERS: dict[str, dict[str, Any]] = {
 }
 
 
-def _run(
-    config: DeepSeekV4Config, state: dict[str, torch.Tensor], tokens: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model = DeepSeekV4(config)
-    model.load_state_dict(state)
-    labels = torch.roll(tokens, -1, 1)
-    labels[:, 5] = -100
-    terms = model.losses(tokens, labels)
-    terms.total.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return torch.stack([t.detach() for t in terms]), grads
-
-
 @pytest.mark.parametrize("layers", list(LAYERS))
 def test_npu_backend_equals_reference_through_the_fake(
-    layers: str, fake: FakeTorchNpu, monkeypatch: pytest.MonkeyPatch
+    layers: str,
+    fake: FakeTorchNpu,
+    monkeypatch: pytest.MonkeyPatch,
+    matches_reference: Callable[..., torch.Tensor],
 ) -> None:
     """fp32 (the fake widens the operators' dtypes), MTP on, 37 tokens, key lists in chunks of
     a few queries."""
     monkeypatch.setattr(npu, "_kernels_for", lambda device: NpuKernels(fake, dtypes=WIDE))
     fields = dict(n_layers=2, n_mtp_layers=1, index_topk=3, attention_chunk_logits=64)
     config = DeepSeekV4Config.from_flavor("micro").replace(**fields, **FUSED | LAYERS[layers])
-    state = DeepSeekV4(config).state_dict()
     tokens = torch.randint(0, config.vocab_size, (2, 37))
-    want, want_grads = _run(config.replace(attention_backend="reference"), state, tokens)
-    got, grads = _run(config.replace(attention_backend="npu"), state, tokens)
+    want = matches_reference(config.replace(attention_backend="npu"), tokens, TOLERANCE)
     called = set(fake.names())
     assert "npu_sparse_flash_attention" in called
     # In the dense warm-up only the indexer trains: no attention backward.
@@ -190,12 +179,7 @@ def test_npu_backend_equals_reference_through_the_fake(
     fused_indexer = layers in ("csa", "mixed")
     assert ("npu_lightning_indexer" in called) == fused_indexer
     assert ("npu_sparse_lightning_indexer_grad_kl_loss" in called) == fused_indexer
-    assert grads.keys() == want_grads.keys()
-    torch.testing.assert_close(got, want, rtol=TOLERANCE, atol=TOLERANCE)
     assert (want[4] > 0) == ("csa" in layers or layers == "mixed")
-    for name, grad in grads.items():
-        scale = want_grads[name].abs().max().clamp_min(1e-3)
-        assert (grad - want_grads[name]).abs().max() / scale < TOLERANCE, name
 
 
 def _inputs(

@@ -21,7 +21,7 @@ from ttnpu.dsv4.compressor import indexer_kl_rows
 
 from . import AttentionInputs
 from .masks import visible_count, visible_entries, window_mask
-from .selection import gathered_index_scores, index_scores, select_topk
+from .selection import gather_picked, gathered_index_scores, index_scores, select_topk
 
 __all__ = ["chunked_attention"]
 
@@ -103,7 +103,7 @@ def _attend_chunk(
         if picks is not None:
             reads = picks >= 0  # [B, c, k]
             at = picks.clamp_min(0)
-            selected = _gather(entries, at)  # [B, c, k, D]
+            selected = gather_picked(entries, at)  # [B, c, k, D]
             scores.append(torch.matmul(q, selected.transpose(-1, -2)))
         else:
             reads = visible_entries(count, entries.shape[1], ratio, q.device, start)  # [c, n]
@@ -121,7 +121,7 @@ def _attend_chunk(
     if index_q is not None and entries is not None and reads is not None:
         assert index_weights is not None and index_keys is not None
         if picks is not None:
-            index_keys = _gather(index_keys, picks.clamp_min(0))
+            index_keys = gather_picked(index_keys, picks.clamp_min(0))
             index = gathered_index_scores(index_q, index_weights, index_keys)
         else:
             index = index_scores(index_q, index_weights, index_keys[:, : entries.shape[1]])
@@ -136,10 +136,3 @@ def _attend_chunk(
         entry_probs = probs[..., window_size:-1].reshape(batch, count * heads, -1)
         out = out + torch.bmm(entry_probs, entries).view_as(out)
     return out, kl, read
-
-
-def _gather(rows: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """``rows`` [B, N, D] at ``at`` [B, c, k] -> [B, c, k, D]."""
-    batch, count, k = at.shape
-    flat = at.reshape(batch, count * k, 1).expand(-1, -1, rows.shape[-1])
-    return rows.gather(1, flat).view(batch, count, k, -1)

@@ -59,7 +59,7 @@ import torch
 
 from . import AttentionInputs, IndexerInputs
 from .chunked import chunked_attention
-from .flex import indexer_loss_from_lse
+from .indexer_loss import indexer_loss_from_lse
 from .masks import visible_count
 from .selection import select_topk
 

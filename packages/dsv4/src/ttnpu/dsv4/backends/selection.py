@@ -16,7 +16,13 @@ import torch
 from . import IndexerInputs
 from .masks import visible_count, visible_entries
 
-__all__ = ["gathered_index_scores", "index_scores", "picks_mask", "select_topk"]
+__all__ = [
+    "gather_picked",
+    "gathered_index_scores",
+    "index_scores",
+    "picks_mask",
+    "select_topk",
+]
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -74,3 +80,10 @@ def picks_mask(picks: torch.Tensor, n_entries: int) -> torch.Tensor:
     mask = torch.zeros(*picks.shape[:-1], n_entries + 1, dtype=torch.bool, device=picks.device)
     mask.scatter_(-1, picks.masked_fill(picks < 0, n_entries), True)
     return mask[..., :n_entries]
+
+
+def gather_picked(rows: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """``rows`` [B, N, D] at ``picks`` [B, c, k] (no -1) -> [B, c, k, D]."""
+    batch, count, k = picks.shape
+    flat = picks.reshape(batch, count * k, 1).expand(-1, -1, rows.shape[-1])
+    return rows.gather(1, flat).view(batch, count, k, -1)
