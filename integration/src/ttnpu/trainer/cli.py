@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -36,6 +37,8 @@ __all__ = ["main"]
 
 DEFAULT_CONFIG = "dsv4_debug"
 _COMMAND_FILE = "command.json"
+_AC_CHOICE = re.compile(r"activation[-_]checkpoint:")
+_AC_OPTION = re.compile(r"--activation[-_]checkpoint\.")
 
 
 class UsageError(Exception):
@@ -95,6 +98,32 @@ def _new_run_folder(parent: Path, name: str | None) -> Path:
     return run
 
 
+def _ac_choice_last(overrides: list[str]) -> list[str]:
+    """``overrides`` with the activation-checkpointing choice (torchtitan's subcommand, e.g.
+    ``activation_checkpoint:full``) and its ``--activation_checkpoint.*`` options moved to the
+    end: tyro applies what follows a subcommand to it alone, so the choice may be given anywhere
+    and a resume may add overrides after a saved one. A later choice replaces an earlier one
+    together with the options given before it."""
+    groups: list[list[str]] = []  # an option with its values, or a choice
+    for arg in overrides:
+        if arg.startswith("--") or _AC_CHOICE.match(arg) or not groups:
+            groups.append([arg])
+        else:
+            groups[-1].append(arg)
+    rest: list[str] = []
+    choice: list[str] = []
+    options: list[str] = []
+    for group in groups:
+        if _AC_CHOICE.match(group[0]):
+            rest += group[1:]
+            choice, options = group[:1], []
+        elif _AC_OPTION.match(group[0]):
+            options += group
+        else:
+            rest += group
+    return [*rest, *choice, *options]
+
+
 def _plan(
     args: argparse.Namespace, overrides: list[str]
 ) -> tuple[str, list[str], Path | None, dict[str, int]]:
@@ -107,7 +136,7 @@ def _plan(
         )
     layout = {"replicas": args.replicas, "min_replicas": args.min_replicas}
     if args.resume is None:
-        return args.config or DEFAULT_CONFIG, overrides, None, layout
+        return args.config or DEFAULT_CONFIG, _ac_choice_last(overrides), None, layout
     run = args.resume
     saved_file = run / _COMMAND_FILE
     if not saved_file.is_file():
@@ -120,7 +149,7 @@ def _plan(
         raise UsageError(f"--resume {run}: {saved_file} is corrupt ({err})") from err
     if args.config not in (None, config):
         raise UsageError(f"--resume {run}: the run used --config {config}, not {args.config}")
-    return config, [*saved_overrides, *overrides], run, layout
+    return config, _ac_choice_last([*saved_overrides, *overrides]), run, layout
 
 
 def _run(argv: Sequence[str]) -> int:

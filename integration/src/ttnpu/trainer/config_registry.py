@@ -22,7 +22,7 @@ from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import TrainingConfig
-from torchtitan.config.configs import DebugConfig, ParallelismConfig
+from torchtitan.config.configs import CompileConfig, DebugConfig, ParallelismConfig
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
 from ttnpu.dsv4.titan import model_spec
@@ -72,6 +72,11 @@ def _bundled(
             initial_load_model_only=False,
         ),
         debug=DebugConfig(seed=0),
+        # no activation checkpointing on these small runs (torchtitan's default is selective);
+        # --compile.enable compiles the model's blocks (the loss is the model's own: torchtitan's
+        # default components also name its loss function, which DSV4Trainer does not use)
+        activation_checkpoint=None,
+        compile=CompileConfig(components=["model"]),
     )
 
 
@@ -110,6 +115,7 @@ def dsv4_flash() -> DSV4Trainer.Config:
         ),
         debug=DebugConfig(seed=0),
         spike=SpikeRecovery(enable=True),
+        compile=CompileConfig(components=["model"]),
     )
 
 

@@ -32,6 +32,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from ttnpu.dsv4.ac_compile import check_options
 from ttnpu.routing import AnticipatorySchedule, DataExhaustedError, Phase, TrainingStep
 from ttnpu.sdc import SDCEvent
 
@@ -96,6 +97,14 @@ class DSV4Trainer(Trainer):
             section.validate()
         if config.parallelism.pipeline_parallel_degree > 1:
             raise ValueError("DSV4Trainer does not support pipeline parallelism")
+        # refused here, before the device and the model are set up; parallelize would too
+        check_options(config.activation_checkpoint, config.compile)
+        if config.compile.enable and "loss" in config.compile.components:
+            raise ValueError(
+                "compile.components 'loss' is not supported by DSV4Trainer: it trains on the "
+                "model's own loss (DeepSeekV4.loss: CE + MTP, balance and indexer terms), not on "
+                "torchtitan's loss function; use --compile.components model"
+            )
         if config.sdc.inject_kind == "allreduce" and not config.fault_tolerance.enable:
             raise ValueError(
                 "sdc.inject_kind allreduce needs fault_tolerance.enable: the all-reduce that is "

@@ -151,6 +151,10 @@ def parallelize(
             f"ep must be 1 or dp_shard x cp, experts are sharded over the whole FSDP group (FSDP "
             f"of the experts over the remaining efsdp group is not supported)"
         )
+    check_options(ac_config, compile_config)
+    compiles = compile_config is not None and compile_config.enable
+    if dp_shard * cp == 1 and ac_config is None and not compiles:
+        return model  # nothing to apply
     if not isinstance(model, DeepSeekV4LM):
         raise ValueError(f"parallelize shards a DeepSeekV4LM, got {type(model).__name__}")
     check_options(ac_config, compile_config, model.model)
