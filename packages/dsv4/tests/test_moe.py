@@ -172,3 +172,51 @@ def test_bias_update_moves_toward_balance_and_resets_counters(tiny: DeepSeekV4Co
     keys = model.state_dict().keys()
     assert any(k.endswith("expert_bias") for k in keys)
     assert not any(k.endswith("tokens_per_expert") for k in keys)
+
+
+def test_expert_backwards_match_numerical_gradients() -> None:
+    """Routed experts (gather, grouped SwiGLU, weights, scatter-add) and the shared expert are
+    single autograd nodes with hand-written backwards; float64 takes the per-group fallback."""
+    from ttnpu.dsv4.moe import Expert, local_dispatch, swiglu_clamped
+
+    f64 = torch.float64
+    experts = GroupedExperts(4, 6, 5, swiglu_limit=1.0).double()
+    experts.reset_parameters(0.5)
+    x = torch.randn(5, 6, dtype=f64, requires_grad=True)
+    indices = torch.tensor([[0, 3], [2, 0], [3, 2], [0, 2], [3, 0]])  # expert 1 gets no row
+    weights = torch.rand(5, 2, dtype=f64, requires_grad=True)
+    params = tuple(experts.parameters())
+
+    def routed(x: torch.Tensor, weights: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+        return local_dispatch(x, indices, weights, experts)
+
+    assert torch.autograd.gradcheck(routed, (x, weights, *params))
+    counts = torch.tensor([2, 0, 3, 2])
+    rows = torch.randn(7, 6, dtype=f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda r, *_: experts(r, counts), (rows, *params))
+    shared = Expert(6, 5, swiglu_limit=1.0).double()
+    shared.reset_parameters(0.5)
+    assert torch.autograd.gradcheck(lambda r, *_: shared(r), (x, *shared.parameters()))
+    big = (torch.randn(2, 9, dtype=f64) * 2).requires_grad_()  # both sides of both clamps
+    assert torch.autograd.gradcheck(lambda g, u: swiglu_clamped(g, u, 1.0), tuple(big))
+
+
+def test_routed_experts_keep_no_gathered_rows_for_the_backward() -> None:
+    """Per routed row the dispatch keeps its gate and up projections (the gathered rows, the
+    activations and the expert outputs are recomputed or never kept) and its order and weight."""
+    from ttnpu.dsv4.moe import local_dispatch
+
+    tokens, dim, inter, top_k = 64, 32, 16, 2
+    experts = GroupedExperts(4, dim, inter, swiglu_limit=10.0)
+    experts.reset_parameters(0.1)
+    x = torch.randn(tokens, dim, requires_grad=True)
+    indices = torch.randint(0, 4, (tokens, top_k))
+    weights = torch.rand(tokens, top_k, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        local_dispatch(x, indices, weights, experts)
+    skip = {t.untyped_storage().data_ptr() for t in (x, *experts.parameters())}
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    per_row = sum(b for ptr, b in kept.items() if ptr not in skip) / (tokens * top_k)
+    # gate and up (fp32), the row's token and sort position (int64), its weight, the offsets
+    assert per_row <= 2 * 4 * inter + 8 + 8 + 4 + 1  # autograd kept ~3 dim + 6 inter floats

@@ -3,6 +3,11 @@
 Each site computes ``pre`` (collapse the streams into the sub-layer input), ``post`` (expand the
 sub-layer output) and ``comb`` (Sinkhorn-projected stream mixer, applied transposed) from the
 RMS-normalised flattened streams; ``hc_head`` collapses the streams before the final norm.
+
+Every function here is one autograd node with a hand-written backward: the math is a few dozen
+tiny ops per site (most of them on [tokens, n, n] tensors), which eager autograd would run as
+one node each. The small per-token quantities are kept token-last (``[rows, tokens]``), so every
+elementwise op and every reduction over the n x n matrix runs over contiguous token vectors.
 """
 
 from __future__ import annotations
@@ -14,36 +19,72 @@ import torch
 __all__ = ["hc_head", "hc_post", "hc_pre", "sinkhorn"]
 
 
-class _Sinkhorn(torch.autograd.Function):
-    """Sinkhorn with a hand-written backward: the 2 * iters tiny normalisations would otherwise
-    cost one autograd node each, which dominates mHC on CPU. Saves each step's output and
-    denominator; ``d/dc [c / (sum(c) + eps)] . g = (g - sum(g * y)) / (sum(c) + eps)``."""
+# Sinkhorn, on token-last [n, n, T] tensors ------------------------------------------------------
+def _axes(iters: int) -> list[int]:
+    """Normalisation axes of a token-last [i, j, T] matrix after the softmax: columns (sum over
+    i, axis 0), then (rows (axis 1), columns) x (iters - 1)."""
+    return [0, *([1, 0] * (iters - 1))]
 
+
+def _sinkhorn_forward(
+    logits: torch.Tensor, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """logits [n, n, T] -> (comb, probs, denominators): softmax over j (+eps), then the
+    normalisations of ``_axes``. The backward recomputes each step's output from ``probs`` and
+    the denominators (the same divisions, so bit for bit the forward's)."""
+    probs = torch.softmax(logits, dim=1)
+    comb = probs + eps
+    denominators = []
+    for axis in _axes(iters):
+        denominator = comb.sum(dim=axis, keepdim=True).add_(eps)
+        comb = comb / denominator
+        denominators.append(denominator)
+    return comb, probs, denominators
+
+
+def _sinkhorn_backward(
+    grad: torch.Tensor, probs: torch.Tensor, denominators: list[torch.Tensor], eps: float
+) -> torch.Tensor:
+    """The gradient of the logits [n, n, T] from that of comb (contiguous [n, n, T]).
+    ``d/dc [c / (sum(c) + eps)] . g = (g - sum(g * y)) / (sum(c) + eps)`` per step."""
+    axes = _axes(len(denominators) // 2 + 1)
+    outputs = []
+    comb = probs + eps
+    for denominator in denominators:
+        comb = comb / denominator
+        outputs.append(comb)
+    for axis, out, denominator in zip(
+        reversed(axes), reversed(outputs), reversed(denominators), strict=True
+    ):
+        grad = (grad - (grad * out).sum(dim=axis, keepdim=True)).div_(denominator)
+    return torch._softmax_backward_data(grad, probs, 1, probs.dtype)
+
+
+class _Sinkhorn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        probs = torch.softmax(logits, dim=-1)
-        comb = probs + eps
-        saved = [probs]
-        for dim in _axes(iters):
-            denominator = comb.sum(dim=dim, keepdim=True) + eps
-            comb = comb / denominator
-            saved += [comb, denominator]
-        ctx.save_for_backward(*saved)
-        ctx.iters = iters
-        return comb
+        n = logits.shape[-1]
+        token_last = logits.reshape(-1, n, n).permute(1, 2, 0).contiguous()
+        comb, probs, denominators = _sinkhorn_forward(token_last, iters, eps)
+        ctx.save_for_backward(probs, *denominators)
+        ctx.eps, ctx.shape = eps, logits.shape
+        return _token_major(comb, logits.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        probs, *steps = ctx.saved_tensors
-        for k, dim in reversed(list(enumerate(_axes(ctx.iters)))):
-            out, denominator = steps[2 * k], steps[2 * k + 1]
-            grad = (grad - (grad * out).sum(dim=dim, keepdim=True)) / denominator
-        return probs * (grad - (grad * probs).sum(dim=-1, keepdim=True)), None, None
+        probs, *denominators = ctx.saved_tensors
+        n = ctx.shape[-1]
+        grad = grad.reshape(-1, n, n).permute(1, 2, 0).contiguous()
+        grad = _sinkhorn_backward(grad, probs, denominators, ctx.eps)
+        return grad.permute(2, 0, 1).reshape(ctx.shape), None, None
 
 
-def _axes(iters: int) -> list[int]:
-    """Normalisation axes after the softmax: columns, then (rows, columns) x (iters - 1)."""
-    return [-2, *([-1, -2] * (iters - 1))]
+def _token_major(comb: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """A new [..., n, n] tensor (never a view) from a token-last [n, n, T] one."""
+    n = comb.shape[0]
+    out = comb.new_empty(shape)
+    out.view(-1, n, n).copy_(comb.permute(2, 0, 1))
+    return out
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -54,10 +95,116 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return out
 
 
-def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    flat = x.flatten(-2).float()
-    rs = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return (flat @ fn.float().t()) * rs
+# hc_pre / hc_head ---------------------------------------------------------------------------------
+class _Collapse(torch.autograd.Function):
+    """One mHC site's pre side: ``mix = (flat @ fn^T) * rsqrt(mean(flat^2) + norm_eps)``, the
+    gates ``pre = sigmoid(mix * s0 + b) + eps`` (and, when fn has (2 + n) n rows, ``post = 2
+    sigmoid(...)`` and ``comb = sinkhorn(...)``), and ``u = sum_i pre_i x_i``.
+
+    Saves x as given (no fp32 copy), the [rows, T] mixes and gates, the per-token rsqrt and the
+    Sinkhorn softmax and denominators."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        iters: int,
+        eps: float,
+        norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        *lead, n, d = x.shape
+        rows = fn.shape[0]
+        full = rows == (2 + n) * n
+        compute = _compute_dtype(x)
+        flat = x.reshape(-1, n * d).to(compute)
+        tokens = flat.shape[0]
+        rs = torch.linalg.vector_norm(flat, dim=-1).square_().div_(n * d).add_(norm_eps).rsqrt_()
+        # [rows, T]; never in place on a matmul's output (selective AC may have saved it)
+        mixes = (fn.to(compute) @ flat.t()) * rs
+        scales = _scale_column(scale.to(compute), n, full)
+        logits = torch.addcmul(base.to(compute).unsqueeze(-1), mixes, scales)
+        gates = torch.sigmoid(logits[: 2 * n] if full else logits)  # [2n or n, T]
+        pre = (gates[:n] + eps).t().contiguous()  # [T, n]
+        u = torch.bmm(pre.unsqueeze(1), flat.view(tokens, n, d)).view(*lead, d).to(x.dtype)
+        if full:
+            post = (2 * gates[n:]).t().reshape(*lead, n)
+            comb_logits = logits[2 * n :].view(n, n, tokens)
+            comb, probs, denominators = _sinkhorn_forward(comb_logits, iters, eps)
+            comb_out = _token_major(comb, (*lead, n, n))
+        else:
+            post, comb_out, probs = (x.new_empty(0, dtype=compute) for _ in range(3))
+            denominators = []
+        ctx.save_for_backward(x, fn, scales, rs, mixes, gates, pre, probs, *denominators)
+        ctx.full, ctx.eps, ctx.dtypes = full, eps, (fn.dtype, base.dtype, scale.dtype)
+        return u, post, comb_out
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_u: torch.Tensor, grad_post: torch.Tensor, grad_comb: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, fn, scales, rs, mixes, gates, pre, probs, *denominators = ctx.saved_tensors
+        n, d = x.shape[-2:]
+        full = ctx.full
+        compute = _compute_dtype(x)
+        flat = x.reshape(-1, n * d).to(compute)
+        tokens = flat.shape[0]
+        grad_u = grad_u.reshape(tokens, 1, d).to(compute)
+        stacked = flat.view(tokens, n, d)
+        grad_pre = (stacked * grad_u).sum(dim=-1)  # [T, n]
+        if full:
+            grad_post = grad_post.reshape(tokens, n).t().to(compute) * 2
+            grad_gates = torch.cat((grad_pre.t(), grad_post))
+            grad_comb = grad_comb.reshape(tokens, n, n).permute(1, 2, 0).to(compute).contiguous()
+            grad_sinkhorn = _sinkhorn_backward(grad_comb, probs, denominators, ctx.eps)
+            grad_logits = torch.cat(
+                (
+                    torch.ops.aten.sigmoid_backward(grad_gates, gates),
+                    grad_sinkhorn.view(n * n, tokens),
+                )
+            )
+        else:
+            grad_logits = torch.ops.aten.sigmoid_backward(grad_pre.t(), gates)
+        grad_base = grad_logits.sum(dim=-1)
+        grad_scales = (grad_logits * mixes).sum(dim=-1)
+        grad_scale = torch.stack([part.sum() for part in _groups(grad_scales, n, full)])
+        grad_mixes = grad_logits.mul_(scales)
+        grad_rs = (grad_mixes * mixes).sum(dim=0).div_(rs)  # d loss / d rsqrt, per token
+        grad_raw = grad_mixes.mul_(rs)  # d loss / d (fn @ flat^T)
+        grad_fn = grad_raw @ flat
+        grad_flat = grad_raw.t() @ fn.to(compute)
+        # rsqrt(mean(flat^2) + eps): d rs / d flat = -rs^3 flat / D.
+        grad_flat.addcmul_(flat, (rs.pow(3).mul_(grad_rs).div_(-n * d)).unsqueeze(-1))
+        grad_x = grad_flat.view(tokens, n, d).addcmul_(pre.unsqueeze(-1), grad_u)
+        fn_dtype, base_dtype, scale_dtype = ctx.dtypes
+        return (
+            grad_x.view(x.shape).to(x.dtype),
+            grad_fn.to(fn_dtype),
+            grad_base.to(base_dtype),
+            grad_scale.to(scale_dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32 and narrower activations (the mixes are fp32 islands), else x's."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _scale_column(scale: torch.Tensor, n: int, full: bool) -> torch.Tensor:
+    """Each mix row's scale, as a [rows, 1] column: s0 for pre, s1 for post, s2 for comb."""
+    if not full:
+        return scale[:1].expand(n).unsqueeze(-1)
+    parts = [scale[0:1].expand(n), scale[1:2].expand(n), scale[2:3].expand(n * n)]
+    return torch.cat(parts).unsqueeze(-1)
+
+
+def _groups(rows: torch.Tensor, n: int, full: bool) -> list[torch.Tensor]:
+    return list(rows.split([n, n, n * n])) if full else [rows]
 
 
 def hc_pre(
@@ -71,24 +218,8 @@ def hc_pre(
     norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, S, n, d] -> (u [B, S, d], post [B, S, n], comb [B, S, n, n])."""
-    n = x.shape[-2]
-    mix = _mixes(x, fn, norm_eps)
-    pre_m, post_m, comb_m = mix.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    pre = torch.sigmoid(pre_m * scale[0] + pre_b) + eps
-    post = 2 * torch.sigmoid(post_m * scale[1] + post_b)
-    comb = sinkhorn((comb_m * scale[2] + comb_b).unflatten(-1, (n, n)), iters, eps)
-    u = (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
+    u, post, comb = _Collapse.apply(x, fn, base, scale, iters, eps, norm_eps)
     return u, post, comb
-
-
-def hc_post(
-    f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-) -> torch.Tensor:
-    """``X'_j = post_j * F + sum_i comb[i, j] X_i`` (the residual mixer is comb transposed)."""
-    dtype = x.dtype
-    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), x)
-    return post.to(dtype).unsqueeze(-1) * f.unsqueeze(-2) + mixed
 
 
 def hc_head(
@@ -101,5 +232,52 @@ def hc_head(
     norm_eps: float,
 ) -> torch.Tensor:
     """Collapse [B, S, n, d] to [B, S, d] with sigmoid weights (no post, no comb)."""
-    pre = torch.sigmoid(_mixes(x, fn, norm_eps) * scale[0] + base.float()) + eps
-    return (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
+    u: torch.Tensor = _Collapse.apply(x, fn, base, scale, 0, eps, norm_eps)[0]
+    return u
+
+
+# hc_post ------------------------------------------------------------------------------------------
+class _Expand(torch.autograd.Function):
+    """``X'_j = post_j * F + sum_i comb[i, j] X_i``; saves f, x, post and comb as given."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        n, d = x.shape[-2:]
+        dtype = x.dtype
+        # post * f, then += comb^T x in place (the output is a new tensor, not a view; no
+        # matmul output is modified, which selective activation checkpointing may have saved)
+        out = post.to(dtype).unsqueeze(-1) * f.unsqueeze(-2)
+        combined = comb.reshape(-1, n, n).to(dtype).transpose(-1, -2)
+        out.view(-1, n, d).baddbmm_(combined, x.reshape(-1, n, d))
+        ctx.save_for_backward(f, x, post, comb)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        f, x, post, comb = ctx.saved_tensors
+        n, d = x.shape[-2:]
+        dtype = x.dtype
+        grad = grad.reshape(-1, n, d)
+        needs = ctx.needs_input_grad
+        grad_f = grad_x = grad_post = grad_comb = None
+        if needs[0]:
+            grad_f = torch.bmm(post.reshape(-1, 1, n).to(dtype), grad).view(f.shape)
+        if needs[1]:
+            grad_x = torch.bmm(comb.reshape(-1, n, n).to(dtype), grad).view(x.shape)
+        if needs[2]:
+            grad_post = (grad * f.reshape(-1, 1, d)).sum(dim=-1)
+            grad_post = grad_post.view(post.shape).to(post.dtype)
+        if needs[3]:
+            grad_comb = torch.bmm(x.reshape(-1, n, d), grad.transpose(-1, -2))
+            grad_comb = grad_comb.view(comb.shape).to(comb.dtype)
+        return grad_f, grad_x, grad_post, grad_comb
+
+
+def hc_post(
+    f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """``X'_j = post_j * F + sum_i comb[i, j] X_i`` (the residual mixer is comb transposed)."""
+    out: torch.Tensor = _Expand.apply(f, x, post, comb)
+    return out

@@ -139,13 +139,77 @@ class HashRouter(nn.Module):
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (asymmetric clamp)."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    out: torch.Tensor = _SwiGLU.apply(gate, up, None, limit)
+    return out
+
+
+def _swiglu_parts(
+    gate: torch.Tensor, up: torch.Tensor, limit: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(min(gate, limit), silu of it, clamp(up, -limit, limit))."""
+    clamped = gate.clamp(max=limit)
+    return clamped, F.silu(clamped), up.clamp(-limit, limit)
+
+
+def _swiglu_forward(
+    gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, limit: float
+) -> torch.Tensor:
+    _, activated, clamped_up = _swiglu_parts(gate, up, limit)
+    hidden = activated.mul_(clamped_up)
+    return hidden if weights is None else hidden.mul_(weights.unsqueeze(-1).to(hidden.dtype))
+
+
+def _swiglu_backward(
+    grad: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weights: torch.Tensor | None,
+    limit: float,
+    weights_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of gate, up (and of the per-row weights) from that of the (weighted) hidden
+    activations; clamp passes the gradient where its input lies inside the bounds, as
+    autograd's clamp does."""
+    clamped, activated, clamped_up = _swiglu_parts(gate, up, limit)
+    grad_weights = None
+    if weights is not None:
+        if weights_grad:
+            grad_weights = (grad * activated * clamped_up).sum(dim=-1).to(weights.dtype)
+        grad = grad * weights.unsqueeze(-1).to(grad.dtype)
+    grad_up = torch.where((up >= -limit) & (up <= limit), grad * activated, 0)
+    grad_gate = torch.ops.aten.silu_backward(grad * clamped_up, clamped)
+    grad_gate = torch.where(gate <= limit, grad_gate, 0)
+    return grad_gate, grad_up, grad_weights
+
+
+class _SwiGLU(torch.autograd.Function):
+    """Clamped SwiGLU (times optional per-row weights) that saves only its inputs."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, limit: float
+    ) -> torch.Tensor:
+        ctx.save_for_backward(gate, up, weights)
+        ctx.limit = limit
+        return _swiglu_forward(gate, up, weights, limit)
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
+        gate, up, weights = ctx.saved_tensors
+        grads = _swiglu_backward(grad, gate, up, weights, ctx.limit, ctx.needs_input_grad[2])
+        return *grads, None
+
+
+def _grouped_mm_native(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype in (torch.float32, torch.bfloat16) and a.dtype == b.dtype
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of x (sorted by expert) times weight[e]^T; ``torch._grouped_mm`` (fp32 and bf16 on CPU
     in torch 2.14), else one padded batched matmul for other dtypes."""
-    if x.dtype in (torch.float32, torch.bfloat16) and x.dtype == weight.dtype:
+    if _grouped_mm_native(x, weight):
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).long()
     starts = offsets.long() - counts
@@ -154,6 +218,94 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     padded = x.new_zeros(len(counts), int(counts.max()) if x.shape[0] else 0, x.shape[1])
     padded = padded.index_put((expert, slot), x)
     return torch.bmm(padded, weight.transpose(-2, -1))[expert, slot]
+
+
+def _rows_times(
+    rows: torch.Tensor, mats: torch.Tensor, offsets: torch.Tensor | None
+) -> torch.Tensor:
+    """``rows[group e] @ mats[e]`` for rows sorted by group: [R, K] x [E, K, N] -> [R, N]
+    (``offsets`` None: one group, mats [K, N])."""
+    if offsets is None:
+        return rows @ mats
+    if _grouped_mm_native(rows, mats):
+        return torch._grouped_mm(rows, mats, offs=offsets)
+    return grouped_linear(rows, mats.transpose(-2, -1), offsets)
+
+
+def _per_group_outer(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor | None
+) -> torch.Tensor:
+    """``a[group e]^T @ b[group e]`` for rows sorted by group: [R, M], [R, N] -> [E, M, N]
+    (zero for an empty group): the weight gradient of a grouped matmul (``offsets`` None: one
+    group, [M, N])."""
+    if offsets is None:
+        return a.t() @ b
+    if _grouped_mm_native(a, b):
+        return torch._grouped_mm(a.t(), b, offs=offsets)
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+    parts = zip(a.split(counts), b.split(counts), strict=True)
+    return torch.stack([part_a.t() @ part_b for part_a, part_b in parts])
+
+
+class _RoutedExperts(torch.autograd.Function):
+    """Gather the rows of x in expert order (``token_of``; None: x is already sorted), run the
+    clamped SwiGLU experts through grouped matmuls (``offsets`` None: one expert, plain matmuls
+    with 2-D weights), weigh each row (``weights``, or not) and add the rows back onto their
+    tokens (``token_of``; None: return the rows).
+
+    Saves x, the row order and weights and the two [R, inter] projections: the gathered rows,
+    the activations and the weighted expert outputs are recomputed or never kept."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        w3: torch.Tensor,
+        offsets: torch.Tensor | None,
+        token_of: torch.Tensor | None,
+        weights: torch.Tensor | None,
+        limit: float,
+    ) -> torch.Tensor:
+        rows = x if token_of is None else x.index_select(0, token_of)
+        gate = _rows_times(rows, w1.transpose(-2, -1), offsets)
+        up = _rows_times(rows, w3.transpose(-2, -1), offsets)
+        hidden = _swiglu_forward(gate, up, weights, limit)
+        out = _rows_times(hidden, w2.transpose(-2, -1), offsets)
+        ctx.save_for_backward(x, w1, w2, w3, offsets, token_of, weights, gate, up)
+        ctx.limit = limit
+        if token_of is None:
+            return out
+        return x.new_zeros(x.shape).index_add_(0, token_of, out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w1, w2, w3, offsets, token_of, weights, gate, up = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad = grad.contiguous()
+        grad_out = grad if token_of is None else grad.index_select(0, token_of)
+        grad_w2 = None
+        if needs[2]:
+            hidden = _swiglu_forward(gate, up, weights, ctx.limit)
+            grad_w2 = _per_group_outer(grad_out, hidden, offsets)
+        grad_hidden = _rows_times(grad_out, w2, offsets)
+        grad_gate, grad_up, grad_weights = _swiglu_backward(
+            grad_hidden, gate, up, weights, ctx.limit, needs[6]
+        )
+        grad_x = grad_w1 = grad_w3 = None
+        if needs[1] or needs[3]:
+            rows = x if token_of is None else x.index_select(0, token_of)
+            grad_w1 = _per_group_outer(grad_gate, rows, offsets) if needs[1] else None
+            grad_w3 = _per_group_outer(grad_up, rows, offsets) if needs[3] else None
+        if needs[0]:
+            grad_rows = _rows_times(grad_gate, w1, offsets)
+            grad_rows += _rows_times(grad_up, w3, offsets)
+            if token_of is None:
+                grad_x = grad_rows
+            else:
+                grad_x = x.new_zeros(x.shape).index_add_(0, token_of, grad_rows)
+        return grad_x, grad_w1, grad_w2, grad_w3, None, None, grad_weights, None
 
 
 def local_tensor(weight: torch.Tensor) -> torch.Tensor:
@@ -197,17 +349,28 @@ class GroupedExperts(nn.Module):
         """How many experts this rank runs (all of them without expert parallelism)."""
         return int(local_tensor(self.w1).shape[0])
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """x [R, dim] sorted by local expert, ``tokens_per_expert`` [local_experts] -> [R, dim]."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        token_of: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [R, dim] sorted by local expert, ``tokens_per_expert`` [local_experts] -> [R, dim].
+
+        With ``token_of`` [R] (the token of each expert-sorted row) x is the tokens [T, dim]: the
+        rows are gathered from it, and the output [T, dim] is each token's sum of its rows'
+        outputs, times ``weights`` [R] (the rows' combine weights) if given."""
         w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
         if self.grad_scale != 1.0:
             w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         if self.param_dtype is not None:
             w1, w2, w3 = (w.to(self.param_dtype) for w in (w1, w2, w3))
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        x = x.to(w1.dtype)
-        gate, up = grouped_linear(x, w1, offsets), grouped_linear(x, w3, offsets)
-        return grouped_linear(swiglu_clamped(gate, up, self.swiglu_limit), w2, offsets)
+        out: torch.Tensor = _RoutedExperts.apply(
+            x.to(w1.dtype), w1, w2, w3, offsets, token_of, weights, self.swiglu_limit
+        )
+        return out
 
     def reset_parameters(self, std: float) -> None:
         for weight in (self.w1, self.w2, self.w3):
@@ -225,7 +388,11 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(dim, inter_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu_clamped(self.w1(x), self.w3(x), self.swiglu_limit))
+        """x [T, dim] -> [T, dim] (one node: saves x and the two [T, inter] projections)."""
+        w1, w2, w3 = self.w1.weight, self.w2.weight, self.w3.weight
+        rows = x.reshape(-1, x.shape[-1])
+        out = _RoutedExperts.apply(rows, w1, w2, w3, None, None, None, self.swiglu_limit)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def reset_parameters(self, std: float) -> None:
         for linear in (self.w1, self.w2, self.w3):
@@ -243,8 +410,7 @@ def local_dispatch(
     order = torch.argsort(flat, stable=True)
     token_of = order // indices.shape[1]
     counts = torch.bincount(flat, minlength=experts.num_experts)
-    out = experts(x[token_of], counts) * weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, token_of, out.to(x.dtype))
+    return experts(x, counts, token_of, weights.reshape(-1)[order]).to(x.dtype)
 
 
 class MoE(nn.Module):

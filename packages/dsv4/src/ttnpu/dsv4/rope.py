@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,20 +72,42 @@ class RopeTable:
         )
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x with its trailing ``2 * cos.shape[-1]`` channels, as pairs (x0, x1), replaced by
+    ``(x0 cos - x1 sin, x0 sin + x1 cos)`` (fp32 math or wider, written in x's dtype)."""
+    half = cos.shape[-1]
+    rope_dim = 2 * half
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    pairs = rope.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (half, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
+
+
+class _Rope(torch.autograd.Function):
+    """The rotation is orthogonal: its backward is the rotation by the opposite angle. Saves
+    only the tables."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin), None, None
+
+
 def apply_rope(x: torch.Tensor, table: RopeTable, *, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing ``2 * cos.shape[-1]`` channels of x [..., S, (heads,) D].
 
     ``table`` rows align with x's sequence axis: axis -2 for [B, S, D] and -3 for [B, S, H, D]
     (pass ``x`` with the head axis last-but-one and cos/sin are broadcast over heads)."""
-    half = table.cos.shape[-1]
-    rope_dim = 2 * half
     cos, sin = table.cos, table.sin
     if x.dim() == 4:  # [B, S, H, D]: broadcast over heads
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if inverse:
         sin = -sin
-    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
-    pairs = rope.float().unflatten(-1, (half, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-    return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
+    out: torch.Tensor = _Rope.apply(x, cos, sin)
+    return out
