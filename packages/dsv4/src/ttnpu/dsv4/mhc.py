@@ -26,36 +26,36 @@ def _axes(iters: int) -> list[int]:
     return [0, *([1, 0] * (iters - 1))]
 
 
-def _sinkhorn_forward(
-    logits: torch.Tensor, iters: int, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """logits [n, n, T] -> (comb, probs, denominators): softmax over j (+eps), then the
-    normalisations of ``_axes``. The backward recomputes each step's output from ``probs`` and
-    the denominators (the same divisions, so bit for bit the forward's)."""
-    probs = torch.softmax(logits, dim=1)
+def _normalise(
+    probs: torch.Tensor, iters: int, eps: float
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The normalisations of ``_axes`` after the softmax: (comb, each step's (output,
+    denominator)). The backward calls it again: the same ops, so the forward's values bit for
+    bit, and nothing but the softmax is kept for it."""
     comb = probs + eps
-    denominators = []
+    steps = []
     for axis in _axes(iters):
         denominator = comb.sum(dim=axis, keepdim=True).add_(eps)
         comb = comb / denominator
-        denominators.append(denominator)
-    return comb, probs, denominators
+        steps.append((comb, denominator))
+    return comb, steps
+
+
+def _sinkhorn_forward(
+    logits: torch.Tensor, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, n, T] -> (comb, probs): softmax over j (+eps), then ``_normalise``."""
+    probs = torch.softmax(logits, dim=1)
+    return _normalise(probs, iters, eps)[0], probs
 
 
 def _sinkhorn_backward(
-    grad: torch.Tensor, probs: torch.Tensor, denominators: list[torch.Tensor], eps: float
+    grad: torch.Tensor, probs: torch.Tensor, iters: int, eps: float
 ) -> torch.Tensor:
     """The gradient of the logits [n, n, T] from that of comb (contiguous [n, n, T]).
     ``d/dc [c / (sum(c) + eps)] . g = (g - sum(g * y)) / (sum(c) + eps)`` per step."""
-    axes = _axes(len(denominators) // 2 + 1)
-    outputs = []
-    comb = probs + eps
-    for denominator in denominators:
-        comb = comb / denominator
-        outputs.append(comb)
-    for axis, out, denominator in zip(
-        reversed(axes), reversed(outputs), reversed(denominators), strict=True
-    ):
+    _, steps = _normalise(probs, iters, eps)
+    for axis, (out, denominator) in zip(reversed(_axes(iters)), reversed(steps), strict=True):
         grad = (grad - (grad * out).sum(dim=axis, keepdim=True)).div_(denominator)
     return torch._softmax_backward_data(grad, probs, 1, probs.dtype)
 
@@ -65,25 +65,25 @@ class _Sinkhorn(torch.autograd.Function):
     def forward(ctx: Any, logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         n = logits.shape[-1]
         token_last = logits.reshape(-1, n, n).permute(1, 2, 0).contiguous()
-        comb, probs, denominators = _sinkhorn_forward(token_last, iters, eps)
-        ctx.save_for_backward(probs, *denominators)
-        ctx.eps, ctx.shape = eps, logits.shape
+        comb, probs = _sinkhorn_forward(token_last, iters, eps)
+        ctx.save_for_backward(probs)
+        ctx.iters, ctx.eps, ctx.shape = iters, eps, logits.shape
         return _token_major(comb, logits.shape)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        probs, *denominators = ctx.saved_tensors
+        (probs,) = ctx.saved_tensors
         n = ctx.shape[-1]
         grad = grad.reshape(-1, n, n).permute(1, 2, 0).contiguous()
-        grad = _sinkhorn_backward(grad, probs, denominators, ctx.eps)
+        grad = _sinkhorn_backward(grad, probs, ctx.iters, ctx.eps)
         return grad.permute(2, 0, 1).reshape(ctx.shape), None, None
 
 
-def _token_major(comb: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
-    """A new [..., n, n] tensor (never a view) from a token-last [n, n, T] one."""
-    n = comb.shape[0]
-    out = comb.new_empty(shape)
-    out.view(-1, n, n).copy_(comb.permute(2, 0, 1))
+def _token_major(rows: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """A new contiguous tensor of ``shape`` [..., k] or [..., n, n] (never a view, which a
+    custom Function must not return) from a token-last [k, T] or [n, n, T] one."""
+    out = rows.new_empty(shape)
+    out.view(-1, *rows.shape[:-1]).copy_(rows.movedim(-1, 0))
     return out
 
 
@@ -102,7 +102,7 @@ class _Collapse(torch.autograd.Function):
     sigmoid(...)`` and ``comb = sinkhorn(...)``), and ``u = sum_i pre_i x_i``.
 
     Saves x as given (no fp32 copy), the [rows, T] mixes and gates, the per-token rsqrt and the
-    Sinkhorn softmax and denominators."""
+    Sinkhorn softmax (its normalisations are recomputed in the backward)."""
 
     @staticmethod
     def forward(
@@ -130,22 +130,22 @@ class _Collapse(torch.autograd.Function):
         pre = (gates[:n] + eps).t().contiguous()  # [T, n]
         u = torch.bmm(pre.unsqueeze(1), flat.view(tokens, n, d)).view(*lead, d).to(x.dtype)
         if full:
-            post = (2 * gates[n:]).t().reshape(*lead, n)
+            post = _token_major(2 * gates[n:], (*lead, n))
             comb_logits = logits[2 * n :].view(n, n, tokens)
-            comb, probs, denominators = _sinkhorn_forward(comb_logits, iters, eps)
+            comb, probs = _sinkhorn_forward(comb_logits, iters, eps)
             comb_out = _token_major(comb, (*lead, n, n))
         else:
             post, comb_out, probs = (x.new_empty(0, dtype=compute) for _ in range(3))
-            denominators = []
-        ctx.save_for_backward(x, fn, scales, rs, mixes, gates, pre, probs, *denominators)
-        ctx.full, ctx.eps, ctx.dtypes = full, eps, (fn.dtype, base.dtype, scale.dtype)
+        ctx.save_for_backward(x, fn, scales, rs, mixes, gates, pre, probs)
+        ctx.full, ctx.iters, ctx.eps = full, iters, eps
+        ctx.dtypes = fn.dtype, base.dtype, scale.dtype
         return u, post, comb_out
 
     @staticmethod
     def backward(
         ctx: Any, grad_u: torch.Tensor, grad_post: torch.Tensor, grad_comb: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        x, fn, scales, rs, mixes, gates, pre, probs, *denominators = ctx.saved_tensors
+        x, fn, scales, rs, mixes, gates, pre, probs = ctx.saved_tensors
         n, d = x.shape[-2:]
         full = ctx.full
         compute = _compute_dtype(x)
@@ -158,7 +158,7 @@ class _Collapse(torch.autograd.Function):
             grad_post = grad_post.reshape(tokens, n).t().to(compute) * 2
             grad_gates = torch.cat((grad_pre.t(), grad_post))
             grad_comb = grad_comb.reshape(tokens, n, n).permute(1, 2, 0).to(compute).contiguous()
-            grad_sinkhorn = _sinkhorn_backward(grad_comb, probs, denominators, ctx.eps)
+            grad_sinkhorn = _sinkhorn_backward(grad_comb, probs, ctx.iters, ctx.eps)
             grad_logits = torch.cat(
                 (
                     torch.ops.aten.sigmoid_backward(grad_gates, gates),
@@ -244,13 +244,13 @@ class _Expand(torch.autograd.Function):
     def forward(
         ctx: Any, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:
-        n, d = x.shape[-2:]
+        n = x.shape[-2]
         dtype = x.dtype
-        # post * f, then += comb^T x in place (the output is a new tensor, not a view; no
-        # matmul output is modified, which selective activation checkpointing may have saved)
-        out = post.to(dtype).unsqueeze(-1) * f.unsqueeze(-2)
         combined = comb.reshape(-1, n, n).to(dtype).transpose(-1, -2)
-        out.view(-1, n, d).baddbmm_(combined, x.reshape(-1, n, d))
+        mixed = torch.bmm(combined, _stacked(x))  # baddbmm_ would loop over tokens
+        # Out of place: selective activation checkpointing may have saved the bmm's output, and
+        # the result must be a new tensor, not a view.
+        out = torch.addcmul(mixed.view(x.shape), post.to(dtype).unsqueeze(-1), f.unsqueeze(-2))
         ctx.save_for_backward(f, x, post, comb)
         return out
 
@@ -270,9 +270,15 @@ class _Expand(torch.autograd.Function):
             grad_post = (grad * f.reshape(-1, 1, d)).sum(dim=-1)
             grad_post = grad_post.view(post.shape).to(post.dtype)
         if needs[3]:
-            grad_comb = torch.bmm(x.reshape(-1, n, d), grad.transpose(-1, -2))
+            grad_comb = torch.bmm(_stacked(x), grad.transpose(-1, -2))
             grad_comb = grad_comb.view(comb.shape).to(comb.dtype)
         return grad_f, grad_x, grad_post, grad_comb
+
+
+def _stacked(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n, d] as a contiguous [T, n, d] (the first block's streams are one row expanded
+    n times, which bmm would otherwise multiply one token at a time)."""
+    return x.reshape(-1, *x.shape[-2:]).contiguous()
 
 
 def hc_post(

@@ -145,18 +145,22 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 def _swiglu_parts(
     gate: torch.Tensor, up: torch.Tensor, limit: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(min(gate, limit), silu of it, clamp(up, -limit, limit))."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(min(gate, limit), its silu, clamp(up, -limit, limit), their product)."""
     clamped = gate.clamp(max=limit)
-    return clamped, F.silu(clamped), up.clamp(-limit, limit)
+    activated, clamped_up = F.silu(clamped), up.clamp(-limit, limit)
+    return clamped, activated, clamped_up, activated * clamped_up
 
 
 def _swiglu_forward(
     gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor | None, limit: float
 ) -> torch.Tensor:
-    _, activated, clamped_up = _swiglu_parts(gate, up, limit)
-    hidden = activated.mul_(clamped_up)
-    return hidden if weights is None else hidden.mul_(weights.unsqueeze(-1).to(hidden.dtype))
+    hidden = F.silu(gate.clamp(max=limit)).mul_(up.clamp(-limit, limit))
+    return hidden if weights is None else hidden.mul_(_column(weights, hidden))
+
+
+def _column(weights: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return weights.unsqueeze(-1).to(like.dtype)
 
 
 def _swiglu_backward(
@@ -164,22 +168,32 @@ def _swiglu_backward(
     gate: torch.Tensor,
     up: torch.Tensor,
     weights: torch.Tensor | None,
-    limit: float,
+    parts: list[torch.Tensor],
     weights_grad: bool,
+    *,
+    grad_is_temporary: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of gate, up (and of the per-row weights) from that of the (weighted) hidden
-    activations; clamp passes the gradient where its input lies inside the bounds, as
-    autograd's clamp does."""
-    clamped, activated, clamped_up = _swiglu_parts(gate, up, limit)
+    activations, given ``_swiglu_parts`` as a list that this empties (each part is freed once
+    used); ``grad_is_temporary``: ``grad`` may be overwritten. Clamp passes the gradient where
+    its input lies inside the bounds (where it returned its input), as autograd's clamp does."""
+    clamped, activated, clamped_up, product = parts
+    parts.clear()
     grad_weights = None
     if weights is not None:
         if weights_grad:
-            grad_weights = (grad * activated * clamped_up).sum(dim=-1).to(weights.dtype)
-        grad = grad * weights.unsqueeze(-1).to(grad.dtype)
-    grad_up = torch.where((up >= -limit) & (up <= limit), grad * activated, 0)
-    grad_gate = torch.ops.aten.silu_backward(grad * clamped_up, clamped)
-    grad_gate = torch.where(gate <= limit, grad_gate, 0)
-    return grad_gate, grad_up, grad_weights
+            grad_weights = (grad * product).sum(dim=-1).to(weights.dtype)
+        column = _column(weights, grad)
+        grad = grad.mul_(column) if grad_is_temporary else grad * column
+        grad_is_temporary = True
+    del product
+    grad_up = (grad * activated).mul_(clamped_up == up)
+    del activated
+    grad = grad.mul_(clamped_up) if grad_is_temporary else grad * clamped_up
+    del clamped_up
+    grad_gate = torch.ops.aten.silu_backward(grad, clamped)
+    del grad
+    return grad_gate.mul_(clamped == gate), grad_up, grad_weights
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -198,7 +212,8 @@ class _SwiGLU(torch.autograd.Function):
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
         gate, up, weights = ctx.saved_tensors
-        grads = _swiglu_backward(grad, gate, up, weights, ctx.limit, ctx.needs_input_grad[2])
+        parts = list(_swiglu_parts(gate, up, ctx.limit))
+        grads = _swiglu_backward(grad, gate, up, weights, parts, ctx.needs_input_grad[2])
         return *grads, None
 
 
@@ -247,14 +262,28 @@ def _per_group_outer(
     return torch.stack([part_a.t() @ part_b for part_a, part_b in parts])
 
 
+def _projections(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    offsets: torch.Tensor | None,
+    token_of: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the rows in expert order, their gate projections, their up projections)."""
+    rows = x if token_of is None else x.index_select(0, token_of)
+    gate = _rows_times(rows, w1.transpose(-2, -1), offsets)
+    return rows, gate, _rows_times(rows, w3.transpose(-2, -1), offsets)
+
+
 class _RoutedExperts(torch.autograd.Function):
     """Gather the rows of x in expert order (``token_of``; None: x is already sorted), run the
     clamped SwiGLU experts through grouped matmuls (``offsets`` None: one expert, plain matmuls
     with 2-D weights), weigh each row (``weights``, or not) and add the rows back onto their
     tokens (``token_of``; None: return the rows).
 
-    Saves x, the row order and weights and the two [R, inter] projections: the gathered rows,
-    the activations and the weighted expert outputs are recomputed or never kept."""
+    Saves x, the row order and weights only: the backward gathers the rows again and recomputes
+    the gate and up projections (two grouped matmuls of the nine; the same ops, so the forward's
+    values bit for bit) instead of keeping [rows, inter] tensors from forward to backward."""
 
     @staticmethod
     def forward(
@@ -268,12 +297,11 @@ class _RoutedExperts(torch.autograd.Function):
         weights: torch.Tensor | None,
         limit: float,
     ) -> torch.Tensor:
-        rows = x if token_of is None else x.index_select(0, token_of)
-        gate = _rows_times(rows, w1.transpose(-2, -1), offsets)
-        up = _rows_times(rows, w3.transpose(-2, -1), offsets)
+        rows, gate, up = _projections(x, w1, w3, offsets, token_of)
         hidden = _swiglu_forward(gate, up, weights, limit)
+        del rows, gate, up
         out = _rows_times(hidden, w2.transpose(-2, -1), offsets)
-        ctx.save_for_backward(x, w1, w2, w3, offsets, token_of, weights, gate, up)
+        ctx.save_for_backward(x, w1, w2, w3, offsets, token_of, weights)
         ctx.limit = limit
         if token_of is None:
             return out
@@ -281,26 +309,35 @@ class _RoutedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, w1, w2, w3, offsets, token_of, weights, gate, up = ctx.saved_tensors
+        x, w1, w2, w3, offsets, token_of, weights = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        # Every temporary is dropped once used: the backward's peak is the saved tensors plus a
+        # few [rows, dim] and [rows, inter] temporaries at a time.
+        rows, gate, up = _projections(x, w1, w3, offsets, token_of)
+        parts = list(_swiglu_parts(gate, up, ctx.limit))
         grad = grad.contiguous()
         grad_out = grad if token_of is None else grad.index_select(0, token_of)
+        del grad
         grad_w2 = None
         if needs[2]:
-            hidden = _swiglu_forward(gate, up, weights, ctx.limit)
+            hidden = parts[3] if weights is None else parts[3] * _column(weights, parts[3])
             grad_w2 = _per_group_outer(grad_out, hidden, offsets)
+            del hidden
         grad_hidden = _rows_times(grad_out, w2, offsets)
+        del grad_out
         grad_gate, grad_up, grad_weights = _swiglu_backward(
-            grad_hidden, gate, up, weights, ctx.limit, needs[6]
+            grad_hidden, gate, up, weights, parts, needs[6], grad_is_temporary=True
         )
+        del grad_hidden, gate, up
         grad_x = grad_w1 = grad_w3 = None
-        if needs[1] or needs[3]:
-            rows = x if token_of is None else x.index_select(0, token_of)
-            grad_w1 = _per_group_outer(grad_gate, rows, offsets) if needs[1] else None
-            grad_w3 = _per_group_outer(grad_up, rows, offsets) if needs[3] else None
+        grad_w1 = _per_group_outer(grad_gate, rows, offsets) if needs[1] else None
+        grad_w3 = _per_group_outer(grad_up, rows, offsets) if needs[3] else None
+        del rows
         if needs[0]:
             grad_rows = _rows_times(grad_gate, w1, offsets)
+            del grad_gate
             grad_rows += _rows_times(grad_up, w3, offsets)
+            del grad_up
             if token_of is None:
                 grad_x = grad_rows
             else:
