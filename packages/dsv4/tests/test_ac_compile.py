@@ -26,7 +26,6 @@ from torchtitan.distributed.activation_checkpoint import (
 )
 
 from ttnpu.dsv4.ac_compile import (
-    DSV4SelectiveAC,
     apply_activation_checkpointing,
     apply_compile,
 )
@@ -102,8 +101,9 @@ def test_ac_gives_the_same_loss_and_gradients_and_holds_less(ac: Any) -> None:
     assert "predict" in vars(lm.model.mtp[0])  # the MTP block's predict runs checkpointed
     checkpointed = _step(lm, tokens, labels)
     _assert_same(checkpointed, plain, rtol=0, atol=0)
-    # measured on this batch: full 0.15 (one stream state per block is kept), selective 0.50
-    limit = 0.3 if isinstance(ac, FullAC.Config) else 0.75
+    # measured on this batch: full 0.15-0.19 (one stream state per block is kept), selective
+    # 0.39-0.77 (the less the hand-written backwards of mHC, norms and experts keep, the higher)
+    limit = 0.3 if isinstance(ac, FullAC.Config) else 0.95
     assert checkpointed[2] < limit * plain[2], (checkpointed[2], plain[2])
     # the state dict keeps the plain names: a checkpoint loads with or without AC
     assert lm.state_dict().keys() == _lm().state_dict().keys()
@@ -119,10 +119,10 @@ def test_the_mtp_block_is_checkpointed_too() -> None:
     assert _step(lm, tokens, labels)[2] < _step(without_mtp, tokens, labels)[2]
 
 
-def test_selective_ac_saves_the_expensive_ops_and_the_all_to_all() -> None:
-    saved = DSV4SelectiveAC(SelectiveAC.Config()).get_save_ops()
+def test_selective_ac_saves_the_matmuls_and_the_all_to_all() -> None:
+    saved = SelectiveAC(SelectiveAC.Config()).get_save_ops()  # torchtitan's, used as it is
     ops = torch.ops
-    assert {ops.aten._grouped_mm.default, ops.aten.mm.default, ops.aten.topk.default} <= saved
+    assert {ops.aten.mm.default, ops.aten.bmm.default, ops.aten.topk.default} <= saved
     assert ops._c10d_functional.all_to_all_single.default in saved  # EP: not sent twice
 
 

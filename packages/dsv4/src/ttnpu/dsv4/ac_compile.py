@@ -6,10 +6,12 @@ Per transformer block (``model.layers``) and per MTP block (``model.mtp``):
 
 * ``activation_checkpoint:full``: torchtitan's ``FullAC``, the block's forward is recomputed in
   the backward (for an MTP block: its whole ``predict``, which runs the block's forward directly).
-* ``activation_checkpoint:selective``: torchtitan's per-op ``SelectiveAC`` policy with the save
-  set of :class:`DSV4SelectiveAC`: torchtitan's (matmuls but every second ``mm``, ``bmm``,
-  ``topk``, and the outputs of ``_c10d_functional.all_to_all_single``, so that the expert-parallel
-  token exchange is not sent again in the backward) plus the routed experts' ``_grouped_mm``.
+* ``activation_checkpoint:selective``: torchtitan's per-op ``SelectiveAC`` policy and save set
+  (matmuls but every second ``mm``, ``bmm``, ``topk``, and the outputs of
+  ``_c10d_functional.all_to_all_single``, so that the expert-parallel token exchange is not sent
+  again in the backward). The experts' ``_grouped_mm`` is not added to it: the experts' autograd
+  node recomputes its matmuls in its own backward, so caching their outputs would keep what it
+  discards (measured on the micro model: 0.98 of the no-AC bytes held, against 0.87 without).
 * ``activation_checkpoint:none``: nothing.
 * ``compile.enable`` with ``"model"`` in ``compile.components``: each block is compiled with
   ``torch.compile(backend=compile.backend)``. Graph breaks are allowed (torchtitan compiles with
@@ -46,7 +48,6 @@ import torch
 from torch import nn
 from torchtitan.config.configs import CompileConfig
 from torchtitan.distributed.activation_checkpoint import (
-    ActivationCheckpointing,
     ActivationCheckpointingConfig,
     FullAC,
     MemoryBudgetAC,
@@ -58,7 +59,6 @@ from .moe import Dispatch, MoE
 
 __all__ = [
     "COMPILE_COMPONENTS",
-    "DSV4SelectiveAC",
     "apply_activation_checkpointing",
     "apply_compile",
     "check_options",
@@ -68,15 +68,6 @@ COMPILE_COMPONENTS = ("model", "loss")
 """``compile.components`` this model honours: its blocks, and the trainer's loss function."""
 
 _DEFAULT_RECOMPUTE_FQNS = SelectiveAC.Config().force_recompute_mm_shapes_by_fqns
-
-
-class DSV4SelectiveAC(SelectiveAC):
-    """torchtitan's per-op selective activation checkpointing with the routed experts' grouped
-    matmul (``aten._grouped_mm``, the most expensive op of a MoE block) added to the ops whose
-    outputs are saved rather than recomputed."""
-
-    def get_save_ops(self) -> set[Any]:
-        return super().get_save_ops() | {torch.ops.aten._grouped_mm.default}
 
 
 def check_options(
@@ -155,11 +146,7 @@ def apply_activation_checkpointing(
     check_options(ac_config, None, model)
     if ac_config is None:
         return
-    policy: ActivationCheckpointing
-    if isinstance(ac_config, SelectiveAC.Config):
-        policy = DSV4SelectiveAC(ac_config, dump_folder=dump_folder)
-    else:
-        policy = ac_config.build(dump_folder=dump_folder)
+    policy = ac_config.build(dump_folder=dump_folder)
     policy.apply(model)
     for fqn, block in _blocks(model):
         if fqn.startswith("mtp."):
