@@ -174,14 +174,17 @@ def test_bias_update_moves_toward_balance_and_resets_counters(tiny: DeepSeekV4Co
     assert not any(k.endswith("tokens_per_expert") for k in keys)
 
 
-def test_expert_backwards_match_numerical_gradients() -> None:
+@pytest.mark.parametrize("recompute", [True, False])
+def test_expert_backwards_match_numerical_gradients(recompute: bool) -> None:
     """Routed experts (gather, grouped SwiGLU, weights, scatter-add) and the shared expert are
-    single autograd nodes with hand-written backwards; float64 takes the per-group fallback."""
+    single autograd nodes with hand-written backwards, recomputing their projections or not;
+    float64 takes the per-group fallback."""
     from ttnpu.dsv4.moe import Expert, local_dispatch, swiglu_clamped
 
     f64 = torch.float64
     experts = GroupedExperts(4, 6, 5, swiglu_limit=1.0).double()
     experts.reset_parameters(0.5)
+    experts.recompute_projections = recompute
     x = torch.randn(5, 6, dtype=f64, requires_grad=True)
     indices = torch.tensor([[0, 3], [2, 0], [3, 2], [0, 2], [3, 0]])  # expert 1 gets no row
     weights = torch.rand(5, 2, dtype=f64, requires_grad=True)
@@ -196,6 +199,7 @@ def test_expert_backwards_match_numerical_gradients() -> None:
     assert torch.autograd.gradcheck(lambda r, *_: experts(r, counts), (rows, *params))
     shared = Expert(6, 5, swiglu_limit=1.0).double()
     shared.reset_parameters(0.5)
+    shared.recompute_projections = recompute
     assert torch.autograd.gradcheck(lambda r, *_: shared(r), (x, *shared.parameters()))
     big = (torch.randn(2, 9, dtype=f64) * 2).requires_grad_()  # both sides of both clamps
     assert torch.autograd.gradcheck(lambda g, u: swiglu_clamped(g, u, 1.0), tuple(big))
@@ -221,3 +225,10 @@ def test_routed_experts_keep_only_the_row_order_and_weights_for_the_backward() -
     # token and sort position (int64), weight (fp32), the offsets; autograd through the plain
     # ops kept ~3 dim + 6 inter floats per row
     assert per_row <= 8 + 8 + 4 + 1
+    experts.recompute_projections = False  # then the two projections too
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        local_dispatch(x, indices, weights, experts)
+    kept = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    per_row = sum(b for ptr, b in kept.items() if ptr not in skip) / (tokens * top_k)
+    assert 2 * 4 * inter < per_row <= 2 * 4 * inter + 8 + 8 + 4 + 1

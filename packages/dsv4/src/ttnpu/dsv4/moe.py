@@ -281,9 +281,10 @@ class _RoutedExperts(torch.autograd.Function):
     with 2-D weights), weigh each row (``weights``, or not) and add the rows back onto their
     tokens (``token_of``; None: return the rows).
 
-    Saves x, the row order and weights only: the backward gathers the rows again and recomputes
-    the gate and up projections (two grouped matmuls of the nine; the same ops, so the forward's
-    values bit for bit) instead of keeping [rows, inter] tensors from forward to backward."""
+    Saves x, the row order and weights; with ``recompute`` only those: the backward gathers the
+    rows again and recomputes the gate and up projections (two grouped matmuls of the nine; the
+    same ops, so the forward's values bit for bit), else it keeps the two [rows, inter]
+    projections too (~7% faster steps on the debug model at 256 tokens, 60 MiB more at 2048)."""
 
     @staticmethod
     def forward(
@@ -296,24 +297,31 @@ class _RoutedExperts(torch.autograd.Function):
         token_of: torch.Tensor | None,
         weights: torch.Tensor | None,
         limit: float,
+        recompute: bool,
     ) -> torch.Tensor:
         rows, gate, up = _projections(x, w1, w3, offsets, token_of)
         hidden = _swiglu_forward(gate, up, weights, limit)
-        del rows, gate, up
         out = _rows_times(hidden, w2.transpose(-2, -1), offsets)
-        ctx.save_for_backward(x, w1, w2, w3, offsets, token_of, weights)
+        kept = () if recompute else (gate, up)
+        ctx.save_for_backward(x, w1, w2, w3, offsets, token_of, weights, *kept)
         ctx.limit = limit
+        del rows, gate, up, kept
         if token_of is None:
             return out
         return x.new_zeros(x.shape).index_add_(0, token_of, out)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, w1, w2, w3, offsets, token_of, weights = ctx.saved_tensors
+        x, w1, w2, w3, offsets, token_of, weights, *kept = ctx.saved_tensors
         needs = ctx.needs_input_grad
         # Every temporary is dropped once used: the backward's peak is the saved tensors plus a
         # few [rows, dim] and [rows, inter] temporaries at a time.
-        rows, gate, up = _projections(x, w1, w3, offsets, token_of)
+        if kept:
+            rows = x if token_of is None else x.index_select(0, token_of)
+            gate, up = kept
+            del kept
+        else:
+            rows, gate, up = _projections(x, w1, w3, offsets, token_of)
         parts = list(_swiglu_parts(gate, up, ctx.limit))
         grad = grad.contiguous()
         grad_out = grad if token_of is None else grad.index_select(0, token_of)
@@ -342,7 +350,7 @@ class _RoutedExperts(torch.autograd.Function):
                 grad_x = grad_rows
             else:
                 grad_x = x.new_zeros(x.shape).index_add_(0, token_of, grad_rows)
-        return grad_x, grad_w1, grad_w2, grad_w3, None, None, grad_weights, None
+        return grad_x, grad_w1, grad_w2, grad_w3, None, None, grad_weights, None, None
 
 
 def local_tensor(weight: torch.Tensor) -> torch.Tensor:
@@ -373,6 +381,9 @@ class GroupedExperts(nn.Module):
 
     grad_scale: float = 1.0
     param_dtype: torch.dtype | None = None
+    recompute_projections: bool = True
+    """Recompute the rows' gate and up projections in the backward instead of keeping them
+    (2 x top-k x inter values per token; see :class:`_RoutedExperts`)."""
 
     def __init__(self, num_experts: int, dim: int, inter_dim: int, swiglu_limit: float) -> None:
         super().__init__()
@@ -405,7 +416,15 @@ class GroupedExperts(nn.Module):
             w1, w2, w3 = (w.to(self.param_dtype) for w in (w1, w2, w3))
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         out: torch.Tensor = _RoutedExperts.apply(
-            x.to(w1.dtype), w1, w2, w3, offsets, token_of, weights, self.swiglu_limit
+            x.to(w1.dtype),
+            w1,
+            w2,
+            w3,
+            offsets,
+            token_of,
+            weights,
+            self.swiglu_limit,
+            self.recompute_projections,
         )
         return out
 
@@ -416,6 +435,9 @@ class GroupedExperts(nn.Module):
 
 class Expert(nn.Module):
     """The shared expert: the same clamped SwiGLU as the routed ones."""
+
+    recompute_projections: bool = True
+    """As :attr:`GroupedExperts.recompute_projections` (2 x inter values per token)."""
 
     def __init__(self, dim: int, inter_dim: int, swiglu_limit: float) -> None:
         super().__init__()
@@ -428,7 +450,9 @@ class Expert(nn.Module):
         """x [T, dim] -> [T, dim] (one node: saves x and the two [T, inter] projections)."""
         w1, w2, w3 = self.w1.weight, self.w2.weight, self.w3.weight
         rows = x.reshape(-1, x.shape[-1])
-        out = _RoutedExperts.apply(rows, w1, w2, w3, None, None, None, self.swiglu_limit)
+        out = _RoutedExperts.apply(
+            rows, w1, w2, w3, None, None, None, self.swiglu_limit, self.recompute_projections
+        )
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def reset_parameters(self, std: float) -> None:
