@@ -239,10 +239,12 @@ class _Model:
     ) -> None:
         c, a, t, ln = self.c, self.a, s.tokens, s.length
         h, d, w = c.n_heads, c.head_dim, c.window_size
-        qkv = _norm(t, c.dim, a) + a * t * c.dim  # attn_norm (input u) and its output
+        qkv = FP32 * t + a * t * c.dim  # attn_norm (fused into hc_pre: its rsqrt), its output
         qkv += _norm(t, c.q_lora_rank, a) + a * t * c.q_lora_rank  # q_norm, qr (wq_b's input)
-        qkv += _norm(t * h, d, a)  # per-head rms_normalize of wq_b's output
-        qkv += a * t * h * d  # rotated q
+        if self.chunked:  # wq_b's output: the chunks normalise and rotate it when recomputed
+            qkv += a * t * h * d
+        else:  # per-head rms_normalize of wq_b's output, and the rotated q
+            qkv += _norm(t * h, d, a) + a * t * h * d
         qkv += _norm(t, d, a)  # kv_norm (its output is only rotated: not saved)
         qkv += self.window_keys(s)
         terms["attention_qkv"] += qkv
@@ -343,7 +345,7 @@ class _Model:
     ) -> None:
         c, a, t = self.c, self.a, s.tokens
         e, k, dim = c.n_routed_experts, c.n_activated_experts, c.dim
-        router = _norm(t, dim, a)  # ffn_norm (input u)
+        router = FP32 * t  # ffn_norm (fused into hc_pre: its rsqrt; its output is below)
         router += a * t * dim + self.upcast * t * dim  # its output, the gate's fp32 copy of it
         router += 2 * FP32 * t * e  # softplus input, sqrt output
         router += INT64 * t * k + FP32 * t * k + FP32 * t  # indices, picked scores, their sum
@@ -394,7 +396,7 @@ class _Model:
         t = s.tokens
         return (
             self.hc_head_mixing(t)
-            + _norm(t, self.c.dim, self.a)
+            + FP32 * t  # the final norm, fused into hc_head: its rsqrt
             + self.a * t * self.c.dim
             + FP32 * t * self.c.vocab_size
             + INT64 * s.batch * s.seq_len
@@ -412,7 +414,8 @@ class _Model:
         terms, comm = self.block(s, 0, False, first=False)
         terms["mhc_streams"] += self.streams(t)  # the block's output, read by its hc_head
         terms["mhc_mixing"] += self.hc_head_mixing(t)
-        own += _norm(t, c.dim, a)  # its final norm (the output is the head's input, outside)
+        own += FP32 * t  # its final norm's rsqrt (fused into its hc_head; the output is the
+        # head's input, outside)
         terms["mtp"] += own
         return terms, a * t * c.dim, comm  # the next-token embedding is its only new input
 

@@ -1,6 +1,7 @@
 """DSV4Trainer's microbatch loss: the model's own loss, weighted so a step's microbatches add up
 to the mean over the step's valid tokens (torchtitan's normalisation), with gradients to match;
-its up-front optimizer state, which leaves the first update a plain first step."""
+its up-front optimizer state, which leaves the first update a plain first step; the
+``--attention_backend`` switch."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import contextlib
 import copy
 from types import SimpleNamespace
 
+import pytest
 import torch
 from torchtitan.components.optimizer import OptimizersContainer, default_adamw
 
 from ttnpu.trainer import DeepSeekV4LM, DSV4Trainer, model_spec
-from ttnpu.trainer.trainer import init_optimizer_state
+from ttnpu.trainer.config_registry import CONFIGS
+from ttnpu.trainer.trainer import _select_attention_backend, init_optimizer_state
 
 
 def test_microbatch_losses_are_weighted_by_their_share_of_the_steps_valid_tokens() -> None:
@@ -59,3 +62,17 @@ def test_optimizer_state_made_up_front_leaves_the_first_update_a_plain_adamw_fir
         torch.testing.assert_close(p, q)
     assert torch.equal(model[0].weight, before[0].weight)
     assert (model[1].weight - before[1].weight).abs().min() > 0.09  # lr x sign(grad), step 1
+
+
+def test_attention_backend_option_sets_the_model_config_or_names_the_device_it_needs() -> None:
+    config = CONFIGS["dsv4_debug"]()
+    _select_attention_backend(config, "cpu")  # "model": the recipe's (chunked)
+    assert config.model_spec.model.dsv4().attention_backend == "chunked"
+    config.attention_backend = "reference"
+    _select_attention_backend(config, "cpu")
+    assert config.model_spec.model.dsv4().attention_backend == "reference"
+    assert CONFIGS["dsv4_debug"]().model_spec.model.dsv4().attention_backend == "chunked"
+    for backend, device in (("flex", "cuda"), ("npu", "npu")):
+        config.attention_backend = backend
+        with pytest.raises(ValueError, match=f"attention_backend {backend} runs on {device} only"):
+            _select_attention_backend(config, "cpu")

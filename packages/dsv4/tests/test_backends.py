@@ -12,7 +12,7 @@ import torch
 
 from ttnpu.dsv4 import DeepSeekV4Config
 from ttnpu.dsv4.attention import Attention
-from ttnpu.dsv4.backends import IndexerInputs
+from ttnpu.dsv4.backends import IndexerInputs, chunked
 from ttnpu.dsv4.backends.selection import index_scores, picks_mask, select_topk
 from ttnpu.dsv4.rope import RopeTable, rope_frequencies
 
@@ -43,6 +43,27 @@ def test_chunked_equals_reference(
     tokens = torch.randint(0, config.vocab_size, (2, seq_len))
     want = matches_reference(config, tokens, TOLERANCE)
     assert want[0] > 1 and (want[4] > 0) == ("csa" in case or "mixed" in case)
+
+
+@pytest.mark.parametrize("chunk_logits", [1 << 24, 2000], ids=["one-chunk", "many-chunks"])
+def test_csa_gathered_and_masked_picks_are_the_same_function(
+    chunk_logits: int,
+    matches_reference: Callable[..., torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CSA chunks gather their picks once the visible entries outnumber what gathering holds
+    (here 31 entries: 124 tokens); before, they mask. At 203 tokens one chunk gathers; with
+    2000 logits a chunk (10 queries) the first chunks mask and the last ones gather."""
+    config = DeepSeekV4Config.from_flavor("micro").replace(
+        compress_ratios=(0, 4), n_layers=2, index_topk=3, attention_chunk_logits=chunk_logits
+    )
+    gathers = []
+    gather = chunked.gather_picked
+    monkeypatch.setattr(chunked, "gather_picked", lambda *a: gathers.append(1) or gather(*a))
+    monkeypatch.setattr(chunked, "picks_mask", lambda *a: gathers.append(0) or picks_mask(*a))
+    tokens = torch.randint(0, config.vocab_size, (2, 203))
+    matches_reference(config, tokens, TOLERANCE)
+    assert 1 in gathers and (0 in gathers) == (chunk_logits == 2000)
 
 
 def _indexer_inputs(length: int, n: int, topk: int, heads: int = 2) -> IndexerInputs:

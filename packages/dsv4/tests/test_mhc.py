@@ -84,10 +84,18 @@ def test_site_backwards_match_numerical_gradients() -> None:
     assert torch.autograd.gradcheck(
         lambda s, *p: pre(s.expand(2, 3, n, d), *p), (single, fn, base, scale)
     )
-    head = [torch.randn(n, n * d, dtype=f64), torch.randn(n, dtype=f64), torch.rand(1, dtype=f64)]
+    # With the sub-layer's norm fused (u normalised, its weight learned).
+    weight = torch.randn(d, dtype=f64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda *a: hc_head(*a, eps=1e-6, norm_eps=1e-6),
-        (x, *(t.requires_grad_() for t in head)),
+        lambda *a: hc_pre(*a[:4], iters=5, eps=1e-6, norm_eps=1e-6, norm_weight=a[4]),
+        (x, fn, base, scale, weight),
+    )
+    head = [torch.randn(n, n * d, dtype=f64), torch.randn(n, dtype=f64), torch.rand(1, dtype=f64)]
+    head = [t.requires_grad_() for t in head]
+    assert torch.autograd.gradcheck(lambda *a: hc_head(*a, eps=1e-6, norm_eps=1e-6), (x, *head))
+    assert torch.autograd.gradcheck(
+        lambda *a: hc_head(*a[:4], eps=1e-6, norm_eps=1e-6, norm_weight=a[4]),
+        (x, *head, weight),
     )
     f = torch.randn(2, 3, d, dtype=f64, requires_grad=True)
     post = torch.rand(2, 3, n, dtype=f64, requires_grad=True)

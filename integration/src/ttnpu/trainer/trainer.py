@@ -72,6 +72,24 @@ def init_optimizer_state(optimizers: OptimizersContainer) -> None:
                 state["step"] = 0
 
 
+def _select_attention_backend(config: DSV4Trainer.Config, device_type: str) -> None:
+    """Apply ``--attention_backend`` to the model config, refusing a backend that cannot run on
+    this device before anything is built."""
+    backend = config.attention_backend
+    if backend == "model":
+        return
+    needs = {"flex": "cuda", "npu": "npu"}.get(backend)
+    if needs is not None and device_type != needs:
+        raise ValueError(
+            f"attention_backend {backend} runs on {needs} only, and this run trains on "
+            f"{device_type}; use chunked or reference"
+        )
+    model = config.model_spec.model
+    if not hasattr(model, "overrides"):
+        raise ValueError(f"attention_backend {backend}: the model is not ttnpu.dsv4's")
+    model.overrides = {**model.overrides, "attention_backend": backend}
+
+
 class DSV4Trainer(Trainer):
     """torchtitan's Trainer with the device from :mod:`ttnpu.trainer.platform` (cpu/gloo when
     there is no accelerator), the model's own loss (``model(tokens, labels=labels)``: next-token
@@ -82,6 +100,10 @@ class DSV4Trainer(Trainer):
     class Config(Trainer.Config):
         device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
         """Device to train on; "auto" = the available accelerator (cuda, npu), else cpu."""
+
+        attention_backend: Literal["model", "reference", "chunked", "flex", "npu"] = "model"
+        """DeepSeek-V4's attention core (``ttnpu.dsv4.backends``): "model" = the recipe's model
+        config (chunked); flex runs on cuda, npu on npu (Ascend's fused operators)."""
 
         fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
         sdc: SilentDataCorruption = field(default_factory=SilentDataCorruption)
@@ -111,6 +133,7 @@ class DSV4Trainer(Trainer):
                 "checked is the one across replica groups"
             )
         self.platform = activate(detect(config.device))
+        _select_attention_backend(config, self.platform.device_type)
         register_dataset()
         super().__init__(config)
         init_optimizer_state(self.optimizers)

@@ -17,7 +17,7 @@ from .backends import AttentionInputs, attend
 from .compressor import Compressor, Indexer
 from .config import DeepSeekV4Config
 from .context_parallel import SequenceShard
-from .norms import RMSNorm, rms_normalize
+from .norms import RMSNorm
 from .rope import RopeTable, apply_rope
 
 __all__ = ["Attention"]
@@ -66,7 +66,6 @@ class Attention(nn.Module):
         shard = shard or SequenceShard.whole(seq_len)
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(batch, seq_len, self.n_heads, self.head_dim)
-        q = apply_rope(rms_normalize(q, self.eps), rope)
         kv = apply_rope(self.kv_norm(self.wkv(x)), rope)
         # The window's keys: the W - 1 before the slice (zeros before the sequence start, masked
         # by the backends) come from the previous rank under context parallelism.
@@ -87,6 +86,8 @@ class Attention(nn.Module):
             ratio=self.ratio,
             indexer=indexer,
             chunk_logits=self.chunk_logits,
+            q_rope=rope,
+            q_eps=self.eps,
         )
         out, indexer_loss = attend(self.backend, inputs)
         out = apply_rope(out, rope, inverse=True)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .norms import rms_norm_backward, rms_norm_forward
+
 __all__ = ["hc_head", "hc_post", "hc_pre", "sinkhorn"]
 
 
@@ -99,10 +101,13 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 class _Collapse(torch.autograd.Function):
     """One mHC site's pre side: ``mix = (flat @ fn^T) * rsqrt(mean(flat^2) + norm_eps)``, the
     gates ``pre = sigmoid(mix * s0 + b) + eps`` (and, when fn has (2 + n) n rows, ``post = 2
-    sigmoid(...)`` and ``comb = sinkhorn(...)``), and ``u = sum_i pre_i x_i``.
+    sigmoid(...)`` and ``comb = sinkhorn(...)``), and ``u = sum_i pre_i x_i``, RMS-normalised
+    by the sub-layer's norm when ``norm_weight`` is given.
 
     Saves x as given (no fp32 copy), the [rows, T] mixes and gates, the per-token rsqrt and the
-    Sinkhorn softmax (its normalisations are recomputed in the backward)."""
+    Sinkhorn softmax (its normalisations are recomputed in the backward); with the norm, only
+    its per-token rsqrt: the backward recomputes u (one [T, n] x [n, d] product) instead of the
+    norm keeping it."""
 
     @staticmethod
     def forward(
@@ -114,6 +119,7 @@ class _Collapse(torch.autograd.Function):
         iters: int,
         eps: float,
         norm_eps: float,
+        norm_weight: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         *lead, n, d = x.shape
         rows = fn.shape[0]
@@ -129,6 +135,9 @@ class _Collapse(torch.autograd.Function):
         gates = torch.sigmoid(logits[: 2 * n] if full else logits)  # [2n or n, T]
         pre = (gates[:n] + eps).t().contiguous()  # [T, n]
         u = torch.bmm(pre.unsqueeze(1), flat.view(tokens, n, d)).view(*lead, d).to(x.dtype)
+        norm_rs = x.new_empty(0, dtype=compute)
+        if norm_weight is not None:
+            u, norm_rs = rms_norm_forward(u, norm_weight, norm_eps)
         if full:
             post = _token_major(2 * gates[n:], (*lead, n))
             comb_logits = logits[2 * n :].view(n, n, tokens)
@@ -136,7 +145,7 @@ class _Collapse(torch.autograd.Function):
             comb_out = _token_major(comb, (*lead, n, n))
         else:
             post, comb_out, probs = (x.new_empty(0, dtype=compute) for _ in range(3))
-        ctx.save_for_backward(x, fn, scales, rs, mixes, gates, pre, probs)
+        ctx.save_for_backward(x, fn, scales, rs, mixes, gates, pre, probs, norm_weight, norm_rs)
         ctx.full, ctx.iters, ctx.eps = full, iters, eps
         ctx.dtypes = fn.dtype, base.dtype, scale.dtype
         return u, post, comb_out
@@ -145,14 +154,21 @@ class _Collapse(torch.autograd.Function):
     def backward(
         ctx: Any, grad_u: torch.Tensor, grad_post: torch.Tensor, grad_comb: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        x, fn, scales, rs, mixes, gates, pre, probs = ctx.saved_tensors
+        x, fn, scales, rs, mixes, gates, pre, probs, norm_weight, norm_rs = ctx.saved_tensors
         n, d = x.shape[-2:]
         full = ctx.full
         compute = _compute_dtype(x)
         flat = x.reshape(-1, n * d).to(compute)
         tokens = flat.shape[0]
-        grad_u = grad_u.reshape(tokens, 1, d).to(compute)
         stacked = flat.view(tokens, n, d)
+        grad_norm_weight = None
+        if norm_weight is not None:
+            u = torch.bmm(pre.unsqueeze(1), stacked).view(*norm_rs.shape[:-1], d).to(x.dtype)
+            grad_u, grad_norm_weight = rms_norm_backward(
+                grad_u, u, norm_weight, norm_rs, ctx.needs_input_grad[7]
+            )
+            del u
+        grad_u = grad_u.reshape(tokens, 1, d).to(compute)
         grad_pre = (stacked * grad_u).sum(dim=-1)  # [T, n]
         if full:
             grad_post = grad_post.reshape(tokens, n).t().to(compute) * 2
@@ -187,6 +203,7 @@ class _Collapse(torch.autograd.Function):
             None,
             None,
             None,
+            grad_norm_weight,
         )
 
 
@@ -216,9 +233,12 @@ def hc_pre(
     iters: int,
     eps: float,
     norm_eps: float,
+    norm_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [B, S, n, d] -> (u [B, S, d], post [B, S, n], comb [B, S, n, n])."""
-    u, post, comb = _Collapse.apply(x, fn, base, scale, iters, eps, norm_eps)
+    """x [B, S, n, d] -> (u [B, S, d], post [B, S, n], comb [B, S, n, n]); u RMS-normalised
+    (eps ``norm_eps``) and scaled by ``norm_weight`` when given: the sub-layer's input norm,
+    fused so that u itself is not kept for the backward."""
+    u, post, comb = _Collapse.apply(x, fn, base, scale, iters, eps, norm_eps, norm_weight)
     return u, post, comb
 
 
@@ -230,9 +250,11 @@ def hc_head(
     *,
     eps: float,
     norm_eps: float,
+    norm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Collapse [B, S, n, d] to [B, S, d] with sigmoid weights (no post, no comb)."""
-    u: torch.Tensor = _Collapse.apply(x, fn, base, scale, 0, eps, norm_eps)[0]
+    """Collapse [B, S, n, d] to [B, S, d] with sigmoid weights (no post, no comb); normalised as
+    :func:`hc_pre`'s u when ``norm_weight`` is given."""
+    u: torch.Tensor = _Collapse.apply(x, fn, base, scale, 0, eps, norm_eps, norm_weight)[0]
     return u
 
 

@@ -116,18 +116,33 @@ class Block(nn.Module):
         """Streams [B, S, n, dim] -> (new streams, this MoE's balance loss or None if hashed, the
         indexer loss or None if not CSA). The losses are returned, not collected through an
         argument: FSDP may copy arguments. ``shard``: see :class:`Attention`."""
-        u, post, comb = self._pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        out, indexer_loss = self.attn(self.attn_norm(u), rope, shard)
+        attn_site = self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale
+        u, post, comb = self._pre(x, *attn_site, self.attn_norm)
+        out, indexer_loss = self.attn(u, rope, shard)
         x = hc_post(out, x, post, comb)
-        u, post, comb = self._pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        y, balance = self.ffn(self.ffn_norm(u), token_ids, shard)
+        ffn_site = self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale
+        u, post, comb = self._pre(x, *ffn_site, self.ffn_norm)
+        y, balance = self.ffn(u, token_ids, shard)
         return hc_post(y, x, post, comb), balance, indexer_loss
 
     def _pre(
-        self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
+        self,
+        x: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm: RMSNorm,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The site's mixes and its sub-layer input, normalised by ``norm`` (fused)."""
         return hc_pre(
-            x, fn, base, scale, iters=self.hc_iters, eps=self.hc_eps, norm_eps=self.norm_eps
+            x,
+            fn,
+            base,
+            scale,
+            iters=self.hc_iters,
+            eps=self.hc_eps,
+            norm_eps=self.norm_eps,
+            norm_weight=norm.weight,
         )
 
     def reset_parameters(self, std: float, hc_scale: float) -> None:
@@ -180,8 +195,9 @@ class MTPBlock(Block):
             self.hc_head_scale,
             eps=self.hc_eps,
             norm_eps=self.norm_eps,
+            norm_weight=self.norm.weight,
         )
-        return self.norm(collapsed), balance
+        return collapsed, balance
 
     def reset_parameters(self, std: float, hc_scale: float) -> None:
         super().reset_parameters(std, hc_scale)
@@ -314,8 +330,9 @@ class DeepSeekV4(nn.Module):
             self.hc_head_scale,
             eps=self.config.hc_eps,
             norm_eps=self.config.norm_eps,
+            norm_weight=self.norm.weight,
         )
-        return self.head(self.norm(collapsed))
+        return self.head(collapsed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, S] -> main-head logits [B, L, vocab] (this rank's slice; L = S without

@@ -65,6 +65,12 @@ class RopeTable:
         """The table of positions ``start .. stop - 1`` (same frequencies)."""
         return RopeTable.build(self.inv_freq, stop - start, self.cos.device, start)
 
+    def rows(self, start: int, stop: int) -> RopeTable:
+        """Rows ``start .. stop - 1`` of this table (positions ``self.start + start ..``)."""
+        return RopeTable(
+            self.cos[start:stop], self.sin[start:stop], self.inv_freq, self.start + start
+        )
+
     def every(self, stride: int, count: int) -> RopeTable:
         """The rows of positions start, start + stride, ... (compressed entry s sits at s * m)."""
         return RopeTable(

@@ -17,13 +17,15 @@ also returns the indexer's distillation loss against that softmax's mass on the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import get_args
 
 import torch
 
 from ttnpu.dsv4.config import AttentionBackend
 from ttnpu.dsv4.context_parallel import SequenceShard
+from ttnpu.dsv4.norms import rms_normalize
+from ttnpu.dsv4.rope import RopeTable, apply_rope
 
 __all__ = [
     "BACKENDS",
@@ -53,7 +55,7 @@ class IndexerInputs:
 class AttentionInputs:
     """One layer's attention of this rank's slice of the sequence."""
 
-    q: torch.Tensor  # [B, L, H, D] normalised and rotated queries
+    q: torch.Tensor  # [B, L, H, D] normalised and rotated queries (see q_rope)
     keys: torch.Tensor  # [B, W - 1 + L, D] rotated kv (K = V): the window halo, then the slice
     window: int  # W: query t reads keys t - W + 1 .. t
     sink: torch.Tensor  # [H] sink logits
@@ -63,6 +65,19 @@ class AttentionInputs:
     ratio: int = 0  # m: entry s is visible to query t iff s < (t + 1) // m
     indexer: IndexerInputs | None = None  # CSA layers
     chunk_logits: int = 1 << 24  # the chunked backend's budget of logits per chunk
+    # Set: q is still to be normalised per head (RMS, q_eps) and rotated by this table (rows
+    # = the slice's positions). The chunked backend does it inside each recomputed chunk, so
+    # the backward keeps one copy of q instead of two; the others do it first (``attend``).
+    q_rope: RopeTable | None = None
+    q_eps: float = 0.0
+
+    def queries(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The normalised, rotated queries of the slice's rows ``start .. stop - 1``."""
+        q = self.q[:, start:stop]
+        if self.q_rope is None:
+            return q
+        table = self.q_rope.rows(start, q.shape[1] + start)
+        return apply_rope(rms_normalize(q, self.q_eps), table)
 
 
 def attend(
@@ -70,6 +85,8 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(Output [B, L, H, D] in the keys' dtype, this rank's share of the indexer loss on CSA
     layers or None)."""
+    if backend != "chunked" and inputs.q_rope is not None:
+        inputs = replace(inputs, q=inputs.queries(), q_rope=None)
     if backend == "reference":
         from .reference import reference_attention
 
