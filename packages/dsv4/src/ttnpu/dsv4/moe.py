@@ -463,6 +463,15 @@ class Expert(nn.Module):
 Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "GroupedExperts"], torch.Tensor]
 
 
+def expert_counts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Long [num_experts]: how many of ``indices`` (any shape, values in range) name each
+    expert. ``torch.bincount`` with a static output shape (its own depends on the values), so
+    that fake-tensor tracing and ``torch.compile`` see a fixed shape."""
+    flat = indices.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def local_dispatch(
     x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, experts: GroupedExperts
 ) -> torch.Tensor:
@@ -470,7 +479,7 @@ def local_dispatch(
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of = order // indices.shape[1]
-    counts = torch.bincount(flat, minlength=experts.num_experts)
+    counts = expert_counts(flat, experts.num_experts)
     return experts(x, counts, token_of, weights.reshape(-1)[order]).to(x.dtype)
 
 
@@ -526,9 +535,7 @@ class MoE(nn.Module):
         else:
             weights, indices, scores = self.gate(flat, self.expert_bias)
         with torch.no_grad():
-            self.tokens_per_expert += torch.bincount(
-                indices.reshape(-1), minlength=self.num_experts
-            ).float()
+            self.tokens_per_expert += expert_counts(indices, self.num_experts).float()
         routed = self.dispatch(flat, indices, weights, self.experts)
         y = (routed + self.shared_experts(flat)).view(batch, seq_len, dim)
         if self.hash_routed:

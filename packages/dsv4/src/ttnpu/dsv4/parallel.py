@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from .config import DeepSeekV4Config
 from .context_parallel import ContextParallel, check_halo, compressor_halo, split
 from .model import DeepSeekV4
-from .moe import GroupedExperts, MoE
+from .moe import GroupedExperts, MoE, expert_counts
 
 __all__ = [
     "ExpertParallelDispatch",
@@ -86,23 +86,30 @@ class ExpertParallelDispatch:
         flat = indices.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token_of = order // indices.shape[1]
-        counts = torch.bincount(flat, minlength=local_experts * self.size)
-        # received[s, e]: rows that rank s sends to this rank's local expert e.
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
-        received = received.view(self.size, local_experts)
-        send_splits = counts.view(self.size, local_experts).sum(1).tolist()
-        recv_splits = received.sum(1).tolist()
+        counts = expert_counts(flat, local_experts * self.size)
+        received, send_splits, recv_splits = self.exchange_counts(counts, local_experts)
         rows = x[token_of]
         inbox = _all_to_all(rows, recv_splits, send_splits, self.group)
         # Rows arrive grouped by (source, expert); the grouped matmul wants (expert, source).
-        by_expert = _source_major_to_expert_major(received)
+        by_expert = _source_major_to_expert_major(received, sum(recv_splits))
         out = experts(inbox[by_expert], received.sum(0))
         back = torch.empty_like(out)
         back[by_expert] = out
         outbox = _all_to_all(back, send_splits, recv_splits, self.group)
         outbox = outbox * weights.reshape(-1)[order].unsqueeze(-1).to(outbox.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, outbox.to(x.dtype))
+
+    def exchange_counts(
+        self, counts: torch.Tensor, local_experts: int
+    ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """(received [ep, local_experts]: the rows rank s sends to this rank's local expert e,
+        the rows this rank sends to each rank, the rows it receives from each) from this rank's
+        ``counts`` per expert of the whole group: an all-to-all of the counts."""
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        received = received.view(self.size, local_experts)
+        send_splits = counts.view(self.size, local_experts).sum(1).tolist()
+        return received, send_splits, received.sum(1).tolist()
 
 
 def _all_to_all(
@@ -113,12 +120,15 @@ def _all_to_all(
     return funcol.wait_tensor(out)
 
 
-def _source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
-    """Permutation that reorders rows laid out [source][expert] into [expert][source]."""
+def _source_major_to_expert_major(received: torch.Tensor, rows: int) -> torch.Tensor:
+    """Permutation that reorders ``rows`` rows laid out [source][expert] (``received[s, e]``
+    of each) into [expert][source]; on the counts' device, every shape known from ``rows``."""
     sources, experts = received.shape
-    segment = torch.repeat_interleave(torch.arange(sources * experts), received.flatten().cpu())
+    ends = received.flatten().cumsum(0)
+    row = torch.arange(rows, device=received.device)
+    segment = torch.searchsorted(ends, row, right=True)  # the (source, expert) of each row
     key = (segment % experts) * sources + segment // experts
-    return torch.argsort(key, stable=True).to(received.device)
+    return torch.argsort(key, stable=True)
 
 
 def apply_expert_parallel(model: DeepSeekV4, mesh: DeviceMesh) -> None:
