@@ -109,6 +109,23 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session
+def rehearse(session: nox.Session) -> None:
+    """DeepSeek-V4 Flash's training step on 128 ranks, rehearsed on this CPU with fake tensors
+    (``tools/rehearse.py``): 4K tokens with FSDP, 1M tokens on CP 128 (first and last rank)."""
+    _sync(session, "--all-packages", "--group", "dev")
+    runs = [
+        ["--seq-len", "4096", "--cp", "1", "--rank", "0"],
+        ["--seq-len", "1048576", "--cp", "128", "--rank", "0"],
+        ["--seq-len", "1048576", "--cp", "128", "--rank", "127"],
+    ]
+    for run in runs:
+        session.run(
+            "python", "tools/rehearse.py", "--config", "dsv4_flash", "--world-size", "128",
+            "--ac", "full", *run, *session.posargs,
+        )  # fmt: skip
+
+
+@nox.session
 def npu(session: nox.Session) -> None:
     """The NPU tests, for real, on an Ascend machine; elsewhere a recording fake stood in."""
     toolkit = os.environ.get("ASCEND_HOME_PATH") or "/usr/local/Ascend"

@@ -207,8 +207,8 @@ def _terms() -> dict[str, float]:
 class _Model:
     """The closed-form terms, one method per part of the code they come from."""
 
-    def __init__(self, config: DeepSeekV4Config, act: int) -> None:
-        self.c, self.a = config, act
+    def __init__(self, config: DeepSeekV4Config, act: int, ep: int = 1) -> None:
+        self.c, self.a, self.ep = config, act, ep
         self.upcast = FP32 if act != FP32 else 0  # bytes of an extra fp32 copy (x.float())
         self.chunked = config.attention_backend == "chunked"
 
@@ -360,6 +360,9 @@ class _Model:
         # weights and group offsets.
         rows = t * k
         terms["moe_routed"] += 2 * INT64 * rows + FP32 * rows + 4 * e
+        if self.ep > 1:  # the dispatch's rows: the local experts' input (received), and the
+            # returned rows the combine weights multiply
+            terms["moe_routed"] += 2 * a * rows * dim
 
     # The whole model ---------------------------------------------------------------------------
     def block(
@@ -447,6 +450,7 @@ def predict(
     *,
     ac: str = "none",
     ac_every: int = 2,
+    ep: int = 1,
 ) -> Prediction:
     """The bytes autograd keeps on one CP rank from one ``loss`` forward of ``batch`` sequences
     of ``seq_len`` tokens to its backward, and the CP bytes the rank sends per forward +
@@ -456,11 +460,14 @@ def predict(
     ``activation_bytes``: 2 for bf16 activations (mixed precision), 4 for fp32; the fp32 islands
     of the code (softmax, norms, compressors, indexer, losses) are fp32 either way. ``rank``:
     default the busiest one, the one that keeps the most (the first of them): rank 0 holds the
-    longest slice, the others also the compressors' halos."""
+    longest slice, the others also the compressors' halos. ``ep``: the expert-parallel degree
+    (its all-to-all dispatch keeps the routed rows; the counts assume balanced routing)."""
     if activation_bytes not in (2, 4):
         raise ValueError(f"activation_bytes must be 2 (bf16) or 4 (fp32), got {activation_bytes}")
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
+    if ep < 1:
+        raise ValueError(f"ep must be >= 1, got {ep}")
     if config.attention_backend not in ATTENTIONS:
         raise ValueError(
             f"the model covers the attention backends {list(ATTENTIONS)}, "
@@ -477,23 +484,24 @@ def predict(
     bounds = split(seq_len, cp)
     if rank is None:
         ranks = [
-            _predict(c, _Slice(batch, *b, seq_len, cp, r), activation_bytes, wrapped)
+            _predict(c, _Slice(batch, *b, seq_len, cp, r), activation_bytes, wrapped, ep)
             for r, b in enumerate(bounds)
         ]
         return max(ranks, key=lambda p: p.saved_bytes)
     if not 0 <= rank < cp:
         raise ValueError(f"rank must be in [0, {cp}), got {rank}")
-    return _predict(c, _Slice(batch, *bounds[rank], seq_len, cp, rank), activation_bytes, wrapped)
+    bound = _Slice(batch, *bounds[rank], seq_len, cp, rank)
+    return _predict(c, bound, activation_bytes, wrapped, ep)
 
 
 def _predict(
-    c: DeepSeekV4Config, s: _Slice, activation_bytes: int, wrapped: set[int]
+    c: DeepSeekV4Config, s: _Slice, activation_bytes: int, wrapped: set[int], ep: int = 1
 ) -> Prediction:
     """:func:`predict` for one rank's slice ``s``, the blocks ``wrapped`` checkpointed."""
     batch, seq_len, start, stop = s.batch, s.seq_len, s.start, s.stop
     rank = s.rank
     mtp_on = bool(c.n_mtp_layers) and seq_len > 1
-    model = _Model(c, activation_bytes)
+    model = _Model(c, activation_bytes, ep)
     out = Prediction(rank, stop - start)
     terms, comm = out.terms, out.communication
     t, a = s.tokens, activation_bytes
@@ -877,6 +885,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (FSDP figure)")
     parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel degree (the dispatch's routed rows)"
+    )
+    parser.add_argument(
         "--attention",
         choices=ATTENTIONS,
         default=DeepSeekV4Config.attention_backend,
@@ -925,7 +936,15 @@ def main(argv: list[str]) -> None:
     act = 2 if args.dtype == "bf16" else FP32
     p = [
         predict(
-            config, args.seq_len, args.cp, args.batch, act, r, ac=args.ac, ac_every=args.ac_every
+            config,
+            args.seq_len,
+            args.cp,
+            args.batch,
+            act,
+            r,
+            ac=args.ac,
+            ac_every=args.ac_every,
+            ep=args.ep,
         )
         for r in range(args.cp)
     ]
@@ -940,6 +959,7 @@ def main(argv: list[str]) -> None:
         "attention": args.attention,
         "ac": args.ac,
         **({"ac_every": args.ac_every} if args.ac == "selective" else {}),
+        "ep": args.ep,
         **prediction,
         "fsdp_bytes_per_step_no_ep": fsdp_bytes(config, args.dp * args.cp, act),
     }

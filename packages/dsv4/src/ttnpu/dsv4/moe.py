@@ -284,7 +284,11 @@ class _RoutedExperts(torch.autograd.Function):
     Saves x, the row order and weights; with ``recompute`` only those: the backward gathers the
     rows again and recomputes the gate and up projections (two grouped matmuls of the nine; the
     same ops, so the forward's values bit for bit), else it keeps the two [rows, inter]
-    projections too (~7% faster steps on the debug model at 256 tokens, 60 MiB more at 2048)."""
+    projections too (~7% faster steps on the debug model at 256 tokens, 60 MiB more at 2048).
+
+    ``dtype``: compute in it, the weights cast inside (expert-parallel experts sit outside
+    FSDP's mixed precision); the backward casts them again rather than keeping the casts, which
+    would hold a copy of every local expert per MoE layer until the backward."""
 
     @staticmethod
     def forward(
@@ -298,14 +302,18 @@ class _RoutedExperts(torch.autograd.Function):
         weights: torch.Tensor | None,
         limit: float,
         recompute: bool,
+        dtype: torch.dtype | None,
     ) -> torch.Tensor:
+        given = x, w1, w2, w3
+        ctx.limit, ctx.dtype = limit, dtype
+        if dtype is not None:
+            x, w1, w2, w3 = (t.to(dtype) for t in given)
         rows, gate, up = _projections(x, w1, w3, offsets, token_of)
         hidden = _swiglu_forward(gate, up, weights, limit)
         out = _rows_times(hidden, w2.transpose(-2, -1), offsets)
         kept = () if recompute else (gate, up)
-        ctx.save_for_backward(x, w1, w2, w3, offsets, token_of, weights, *kept)
-        ctx.limit = limit
-        del rows, gate, up, kept
+        ctx.save_for_backward(*given, offsets, token_of, weights, *kept)
+        del rows, gate, up, kept, given
         if token_of is None:
             return out
         return x.new_zeros(x.shape).index_add_(0, token_of, out)
@@ -314,6 +322,9 @@ class _RoutedExperts(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w1, w2, w3, offsets, token_of, weights, *kept = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        given = x.dtype, w1.dtype, w2.dtype, w3.dtype
+        if ctx.dtype is not None:
+            x, w1, w2, w3 = (t.to(ctx.dtype) for t in (x, w1, w2, w3))
         # Every temporary is dropped once used: the backward's peak is the saved tensors plus a
         # few [rows, dim] and [rows, inter] temporaries at a time.
         if kept:
@@ -350,7 +361,11 @@ class _RoutedExperts(torch.autograd.Function):
                 grad_x = grad_rows
             else:
                 grad_x = x.new_zeros(x.shape).index_add_(0, token_of, grad_rows)
-        return grad_x, grad_w1, grad_w2, grad_w3, None, None, grad_weights, None, None
+        grads = (grad_x, grad_w1, grad_w2, grad_w3)
+        grad_x, grad_w1, grad_w2, grad_w3 = (
+            None if g is None else g.to(dtype) for g, dtype in zip(grads, given, strict=True)
+        )
+        return grad_x, grad_w1, grad_w2, grad_w3, None, None, grad_weights, None, None, None
 
 
 def local_tensor(weight: torch.Tensor) -> torch.Tensor:
@@ -412,11 +427,9 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
         if self.grad_scale != 1.0:
             w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
-        if self.param_dtype is not None:
-            w1, w2, w3 = (w.to(self.param_dtype) for w in (w1, w2, w3))
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         out: torch.Tensor = _RoutedExperts.apply(
-            x.to(w1.dtype),
+            x,
             w1,
             w2,
             w3,
@@ -425,6 +438,7 @@ class GroupedExperts(nn.Module):
             weights,
             self.swiglu_limit,
             self.recompute_projections,
+            self.param_dtype or w1.dtype,
         )
         return out
 
@@ -451,7 +465,7 @@ class Expert(nn.Module):
         w1, w2, w3 = self.w1.weight, self.w2.weight, self.w3.weight
         rows = x.reshape(-1, x.shape[-1])
         out = _RoutedExperts.apply(
-            rows, w1, w2, w3, None, None, None, self.swiglu_limit, self.recompute_projections
+            rows, w1, w2, w3, None, None, None, self.swiglu_limit, self.recompute_projections, None
         )
         return out.view(*x.shape[:-1], out.shape[-1])
 

@@ -97,7 +97,11 @@ class ExpertParallelDispatch:
         back[by_expert] = out
         outbox = _all_to_all(back, send_splits, recv_splits, self.group)
         outbox = outbox * weights.reshape(-1)[order].unsqueeze(-1).to(outbox.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, outbox.to(x.dtype))
+        outbox = outbox.to(x.dtype)
+        # scatter_add_, not index_add_: autograd keeps index_add_'s source for its backward
+        # (a [T x top_k, dim] copy per layer), scatter_add_'s only its index.
+        at = token_of.unsqueeze(1).expand_as(outbox)
+        return torch.zeros_like(x).scatter_add_(0, at, outbox)
 
     def exchange_counts(
         self, counts: torch.Tensor, local_experts: int
