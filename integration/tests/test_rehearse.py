@@ -99,8 +99,6 @@ def test_the_plan_issues_its_collectives_on_their_groups(
     ("args", "message"),
     [
         (["--world-size", "8", "--cp", "3"], "--cp 3 must divide --world-size 8"),
-        (["--world-size", "8", "--ep", "4"], "ep must be 1 or dp_shard x cp"),
-        (["--world-size", "12"], "256 experts cannot be split over 12 EP ranks"),
         (["--world-size", "8", "--cp", "8", "--seq-len", "512"], "sliding window"),
         (["--config", "dsv4_debug"], "pass --param-dtype bfloat16"),
         (["--config", "nope"], "unknown --config 'nope'"),
@@ -109,9 +107,27 @@ def test_the_plan_issues_its_collectives_on_their_groups(
 def test_a_plan_that_cannot_run_is_refused_with_one_line(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Refused before the fake process group exists: in this process."""
     assert rehearse.main(["--layers", "2", *args]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rehearse: error: "), lines
     assert message in lines[0] and not captured.out
-    assert not torch.distributed.is_initialized()  # a refused plan leaves no process group
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--world-size", "8", "--ep", "4"], "ep must be 1 or dp_shard x cp"),
+        (["--world-size", "12"], "256 experts cannot be split over 12 EP ranks"),
+    ],
+)
+def test_a_plan_parallelize_refuses_is_refused_with_its_line(args: list[str], message: str) -> None:
+    """Refused by the real ``parallelize``, on the fake process group: in a process of its
+    own (torchtitan logs to the streams it was given when the group is built)."""
+    done = _rehearse("--config", "dsv4_flash", "--layers", "2", *args)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("rehearse: ")]
+    assert lines == [f"rehearse: error: {lines[0].removeprefix('rehearse: error: ')}"]
+    assert message in lines[0] and not done.stdout
