@@ -55,8 +55,8 @@ AC_MODES = ("none", "full", "selective")  # selective: torchtitan's per-op Selec
 class StepLedger(TorchDispatchMode):
     """What one rank's step allocates and sends, op by op: the live bytes of every storage an op
     creates (freed when the storage is), their peak, and every collective: (op, group size) ->
-    [calls, bytes this rank contributes]. Storages alive at the start (parameters, buffers)
-    count as the baseline. FSDP frees and re-fills its unsharded parameters by resizing their
+    [calls, bytes as torch's ``CollectiveOp`` counts them]. Storages alive at the start
+    (parameters, buffers) count as the baseline. FSDP frees and re-fills its unsharded parameters by resizing their
     storages, which no op reports: the sizes are read again at every collective (FSDP gathers
     and reduces every layer's parameters with one)."""
 
@@ -204,7 +204,12 @@ def rehearse(args: argparse.Namespace) -> dict[str, Any]:
     if args.config not in CONFIGS:
         raise ValueError(f"unknown --config {args.config!r}; expected one of {sorted(CONFIGS)}")
     world, cp = args.world_size, args.cp
-    if world < 1 or cp < 1 or world % cp:
+    for name, value in (("--world-size", world), ("--cp", cp), ("--seq-len", args.seq_len)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if args.batch < 1 or (args.ep is not None and args.ep < 1):
+        raise ValueError(f"--batch and --ep must be >= 1, got {args.batch} and {args.ep}")
+    if world % cp:
         raise ValueError(f"--cp {cp} must divide --world-size {world}")
     if not 0 <= args.rank < world:
         raise ValueError(f"--rank must be in [0, {world}), got {args.rank}")

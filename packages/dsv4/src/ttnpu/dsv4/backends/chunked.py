@@ -9,8 +9,9 @@ twice the window's multiply-adds, but in matmuls of W x H rows instead of one sm
 query. On HCA layers and in the indexer's dense warm-up the entries are those visible to the
 chunk's last query (``[c, H, n]``, masked per query). On CSA layers they are the indexer's top-k:
 gathered by index (``[c, H, k]`` scores, ``[c, k, D]`` gathered entries) or, while that would
-hold more than scoring every visible entry and masking all but the picks (n <= k (1 + D/H) or
-so: short sequences), masked; the two compute the same function. The indexer's selection runs in
+hold more than scoring every visible entry and masking all but the picks (n visible entries with
+(H + IH + 1) n <= k (H + D + IH + ID): short sequences), masked; the two compute the same
+function. The indexer's selection runs in
 query chunks and key blocks (:func:`.selection.select_topk`), and its distillation loss is
 computed per chunk, from the scores at the entries the chunk reads. The chunk length follows
 ``chunk_logits``: at most that many logits (queries x heads x keys), plus the gathered entries
