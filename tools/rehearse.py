@@ -56,9 +56,9 @@ class StepLedger(TorchDispatchMode):
     """What one rank's step allocates and sends, op by op: the live bytes of every storage an op
     creates (freed when the storage is), their peak, and every collective: (op, group size) ->
     [calls, bytes as torch's ``CollectiveOp`` counts them]. Storages alive at the start
-    (parameters, buffers) count as the baseline. FSDP frees and re-fills its unsharded parameters by resizing their
-    storages, which no op reports: the sizes are read again at every collective (FSDP gathers
-    and reduces every layer's parameters with one)."""
+    (parameters, buffers) count as the baseline. FSDP frees and re-fills its unsharded
+    parameters by resizing their storages, which no op reports: the sizes are read again at
+    every collective (FSDP gathers and reduces every layer's parameters with one)."""
 
     def __init__(self, baseline: list[torch.Tensor]) -> None:
         super().__init__()
