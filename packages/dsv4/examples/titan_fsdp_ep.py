@@ -1,7 +1,7 @@
 """DeepSeek-V4 (debug) sharded by its torchtitan ``parallelize_fn``: FSDP2 and expert parallelism
 over 2 ranks, initialised as one process would be, then one training step.
 
-    torchrun --standalone --nproc_per_node 2 examples/titan_fsdp_ep.py
+    uv run torchrun --standalone --nproc_per_node 2 packages/dsv4/examples/titan_fsdp_ep.py
 """
 
 import os
@@ -49,7 +49,10 @@ with get_spmd_context(parallel_dims=dims)():  # torchtitan's Trainer runs its st
     loss.backward()
 loss = loss.detach()
 dist.all_reduce(loss)
-sharded = sum(isinstance(p, DTensor) for p in model.parameters())
+params = list(model.parameters())
+sharded = sum(isinstance(p, DTensor) for p in params)
 if rank == 0:
-    print(f"loss {loss.item():.3f} over {world} ranks; {sharded} parameters, all DTensors")
+    print(
+        f"loss {loss.item():.3f} over {world} ranks; {sharded} of {len(params)} parameters sharded"
+    )
 dist.destroy_process_group()

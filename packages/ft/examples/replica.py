@@ -1,7 +1,7 @@
 """One torchft replica group training a small linear model; more groups join through its Lighthouse.
 
-python examples/replica.py --steps 1000                 # starts a Lighthouse, prints its address
-python examples/replica.py --replica-id 1 --lighthouse http://HOST:PORT --steps 1000
+uv run python packages/ft/examples/replica.py --steps 100000   # prints its Lighthouse's address
+uv run python packages/ft/examples/replica.py --replica-id 1 --lighthouse http://HOST:PORT
 """
 
 import argparse
