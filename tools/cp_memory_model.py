@@ -81,9 +81,9 @@ INT64 = 8
 GIB = 2**30
 CHECK_SEQ_LEN = 501  # a multiple of none of the block sizes (4, 16), the window (32) or CP 2/4
 CHECK_DEGREES = (1, 2, 4)
-# The chunked backend's budget in the check: 23-query chunks on CSA layers (whose budget counts
-# the gathered entries), 256 on HCA, so the ranks run several chunks and the indexer's selection
-# several query chunks and key blocks.
+# The chunked backend's budget in the check, the indexer's selection budget too: 23-query chunks
+# on CSA layers (whose budget counts the gathered entries), 256 on HCA, so the ranks run several
+# chunks and the indexer's selection several query chunks and key blocks.
 CHECK_CHUNK_LOGITS = 1 << 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # measured in this order
 ATTENTIONS = ("reference", "chunked")  # the backends the model covers
@@ -360,9 +360,9 @@ class _Model:
         # weights and group offsets.
         rows = t * k
         terms["moe_routed"] += 2 * INT64 * rows + FP32 * rows + 4 * e
-        if self.ep > 1:  # the dispatch's rows: the local experts' input (received), and the
-            # returned rows the combine weights multiply
-            terms["moe_routed"] += 2 * a * rows * dim
+        if self.ep > 1:  # the dispatch's rows: the local experts' input (received); the
+            # combine weights travel with them and are applied inside the experts
+            terms["moe_routed"] += a * rows * dim
 
     # The whole model ---------------------------------------------------------------------------
     def block(
@@ -741,7 +741,9 @@ def _worker(
     for attention in dict.fromkeys(combo[0] for combo in combos):
         torch.manual_seed(0)
         config = DeepSeekV4Config.from_flavor("debug").replace(
-            attention_backend=attention, attention_chunk_logits=CHECK_CHUNK_LOGITS
+            attention_backend=attention,
+            attention_chunk_logits=CHECK_CHUNK_LOGITS,
+            index_select_logits=CHECK_CHUNK_LOGITS,
         )
         model = DeepSeekV4(config)
         if mesh is not None:
@@ -838,7 +840,9 @@ def check(
     backend x AC mode, dtype and CP degree: the busiest rank's figures, every rank's measured /
     predicted ratio and sent bytes, the peak of live bytes, and the measured saving against the
     first degree. ``worst_ratio``: the measured / predicted ratio furthest from 1, of all."""
-    base = DeepSeekV4Config.from_flavor("debug").replace(attention_chunk_logits=CHECK_CHUNK_LOGITS)
+    base = DeepSeekV4Config.from_flavor("debug").replace(
+        attention_chunk_logits=CHECK_CHUNK_LOGITS, index_select_logits=CHECK_CHUNK_LOGITS
+    )
     result: dict[str, Any] = {"model": "debug", "seq_len": seq_len, "batch": 1}
     runs = {cp: measure(seq_len, cp, attentions, acs, every, peak) for cp in degrees}
     worst = 1.0

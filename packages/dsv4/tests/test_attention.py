@@ -66,7 +66,7 @@ def test_indexer_selects_top_k_of_the_visible_entries_only(tiny: DeepSeekV4Confi
     x, seq_len = torch.randn(1, 33, tiny.dim), 33
     qr = attn.q_norm(attn.wq_a(x))
     factors = attn.indexer(x, qr, _rope(tiny, seq_len))
-    picks = select_topk(factors, 0, 4, chunk_logits=1 << 20)
+    picks = select_topk(factors, 0, 4, select_logits=1 << 20)
     reads = picks_mask(picks, 8)[0]
     visible = visible_entries(seq_len, 8, 4, x.device)
     assert not (reads & ~visible).any()

@@ -36,9 +36,14 @@ def test_chunked_equals_reference(
     case: str, seq_len: int, chunk_logits: int, matches_reference: Callable[..., torch.Tensor]
 ) -> None:
     """fp32, relative to each gradient's largest entry; MTP on. With 96 logits a chunk holds
-    one to five queries and the indexer scores key blocks of 8 entries: both loops run."""
+    one to five queries and the indexer (selecting within the same budget) scores key blocks of
+    8 entries: both loops run."""
     config = DeepSeekV4Config.from_flavor("micro").replace(
-        n_mtp_layers=1, index_topk=3, attention_chunk_logits=chunk_logits, **CASES[case]
+        n_mtp_layers=1,
+        index_topk=3,
+        attention_chunk_logits=chunk_logits,
+        index_select_logits=chunk_logits,
+        **CASES[case],
     )
     tokens = torch.randint(0, config.vocab_size, (2, seq_len))
     want = matches_reference(config, tokens, TOLERANCE)

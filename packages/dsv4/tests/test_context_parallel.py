@@ -81,7 +81,7 @@ def _cp_worker(rank: int, world: int, port: int, out: Path) -> None:
     report: dict[str, float | str] = {}
     for case in CASES:
         # The chunked backend in small chunks against the reference backend in one process.
-        config = _config(case).replace(attention_chunk_logits=96)
+        config = _config(case).replace(attention_chunk_logits=96, index_select_logits=96)
         torch.manual_seed(0)
         reference = DeepSeekV4(config.replace(attention_backend="reference"))
         torch.manual_seed(0)

@@ -43,6 +43,7 @@ class Attention(nn.Module):
         self.indexer: Indexer | None = None
         self.dense_indexer_warmup = c.indexer_stage == "dense"
         self.backend, self.chunk_logits = c.attention_backend, c.attention_chunk_logits
+        self.select_logits = c.index_select_logits
         if ratio:
             csa = config.is_csa(ratio)
             self.compressor = Compressor(c.dim, c.head_dim, ratio, overlap=csa, eps=c.norm_eps)
@@ -86,6 +87,7 @@ class Attention(nn.Module):
             ratio=self.ratio,
             indexer=indexer,
             chunk_logits=self.chunk_logits,
+            select_logits=self.select_logits,
             q_rope=rope,
             q_eps=self.eps,
         )

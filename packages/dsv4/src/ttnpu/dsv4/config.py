@@ -72,6 +72,11 @@ class DeepSeekV4Config:
     attention_backend: AttentionBackend = "chunked"
     # The chunked backend's budget: at most this many logits (queries x heads x keys) per chunk.
     attention_chunk_logits: int = 1 << 24
+    # The indexer's top-k selection budget: at most this many index scores (queries x index
+    # heads x entries) per step. Selected under no_grad and freed at once, so it can be larger
+    # than a chunk: fewer, larger steps (a Flash CSA layer of a 1M-token CP 128 rank takes 512
+    # steps instead of 8,192 at the chunk's budget).
+    index_select_logits: int = 1 << 28
     init_std: float = 0.02
     hc_init_scale: float = 0.01
     hash_seed: int = 0
@@ -107,6 +112,7 @@ class DeepSeekV4Config:
                 f"got {self.attention_backend!r}",
             ),
             (self.attention_chunk_logits >= 1, "attention_chunk_logits must be >= 1"),
+            (self.index_select_logits >= 1, "index_select_logits must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

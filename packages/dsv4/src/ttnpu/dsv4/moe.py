@@ -419,11 +419,12 @@ class GroupedExperts(nn.Module):
         token_of: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [R, dim] sorted by local expert, ``tokens_per_expert`` [local_experts] -> [R, dim].
+        """x [R, dim] sorted by local expert, ``tokens_per_expert`` [local_experts] -> [R, dim],
+        each row's output times ``weights`` [R] (the rows' combine weights) if given.
 
         With ``token_of`` [R] (the token of each expert-sorted row) x is the tokens [T, dim]: the
         rows are gathered from it, and the output [T, dim] is each token's sum of its rows'
-        outputs, times ``weights`` [R] (the rows' combine weights) if given."""
+        (weighted) outputs."""
         w1, w2, w3 = (local_tensor(w) for w in (self.w1, self.w2, self.w3))
         if self.grad_scale != 1.0:
             w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))

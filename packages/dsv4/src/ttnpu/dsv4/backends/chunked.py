@@ -47,7 +47,7 @@ def chunked_attention(inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tens
         entries = None  # a sequence shorter than one block
     if entries is not None:
         if ix is not None and ix.sparse:
-            picks = select_topk(ix, shard.start, inputs.ratio, inputs.chunk_logits)
+            picks = select_topk(ix, shard.start, inputs.ratio, inputs.select_logits)
             k = picks.shape[-1]
             index_heads, index_dim = ix.q.shape[2], ix.q.shape[3]
             gathered = heads * k + k * dim + index_heads * k + k * index_dim

@@ -81,7 +81,7 @@ def flex_attention_core(
         entries = None  # a sequence shorter than one block
     picks = None
     if entries is not None and ix is not None and ix.sparse:
-        picks = select_topk(ix, shard.start, inputs.ratio, inputs.chunk_logits)
+        picks = select_topk(ix, shard.start, inputs.ratio, inputs.select_logits)
         if picks.shape[-1] == 0:
             entries = picks = None
     kv = inputs.keys if entries is None else torch.cat((inputs.keys, entries), dim=1)

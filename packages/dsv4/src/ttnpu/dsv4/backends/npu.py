@@ -309,7 +309,7 @@ def _select(inputs: AttentionInputs, kernels: NpuKernels) -> torch.Tensor:
     n = ix.keys.shape[1]
     k = min(ix.topk, n)
     if not kernels.fits_indexer(ix, k):
-        return select_topk(ix, start, ratio, inputs.chunk_logits)
+        return select_topk(ix, start, ratio, inputs.select_logits)
     dtype = inputs.q.dtype
     with torch.no_grad():
         # One query per batch row: its visible count is its key length (rightDownCausal with

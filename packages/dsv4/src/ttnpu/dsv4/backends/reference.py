@@ -30,7 +30,7 @@ def reference_attention(inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Te
             index = index_scores(ix.q, ix.weights, ix.keys)
             index = index.masked_fill(~reads, float("-inf"))
             if ix.sparse:
-                picks = select_topk(ix, shard.start, inputs.ratio, inputs.chunk_logits)
+                picks = select_topk(ix, shard.start, inputs.ratio, inputs.select_logits)
                 reads = picks_mask(picks, n)
         flat_q = q.reshape(batch, length * heads, -1)
         scores.append(torch.bmm(flat_q, entries.transpose(1, 2)).view(*q.shape[:3], -1))

@@ -29,7 +29,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
     """Index scores [B, c, n] of queries ``q`` [B, c, IH, ID] (head ``weights`` [B, c, IH]) over
     ``keys`` [B, n, ID] shared by every query."""
     batch, count, heads, _ = q.shape
-    logits = torch.bmm(q.reshape(batch, count * heads, -1), keys.transpose(1, 2)).relu()
+    logits = torch.bmm(q.reshape(batch, count * heads, -1), keys.transpose(1, 2)).relu_()
     return torch.matmul(weights.unsqueeze(-2), logits.view(batch, count, heads, -1)).squeeze(-2)
 
 
@@ -43,18 +43,18 @@ def gathered_index_scores(
 
 
 @torch.no_grad()
-def select_topk(ix: IndexerInputs, start: int, ratio: int, chunk_logits: int) -> torch.Tensor:
+def select_topk(ix: IndexerInputs, start: int, ratio: int, select_logits: int) -> torch.Tensor:
     """Long [B, L, k] (k = min(topk, N)): each query's top-k visible entries by index score,
     best first; -1 where fewer than k are visible. ``start``: the position of the first query;
-    ``chunk_logits``: how many scores (queries x heads x entries) one step may hold."""
+    ``select_logits``: how many scores (queries x heads x entries) one step may hold."""
     batch, length, heads, _ = ix.q.shape
     n = ix.keys.shape[1]
     k = min(ix.topk, n)
     picks = torch.full((batch, length, k), -1, dtype=torch.long, device=ix.q.device)
     if k == 0:
         return picks
-    rows_per_chunk = max(1, math.isqrt(chunk_logits // heads))
-    block = max(k, chunk_logits // (rows_per_chunk * heads))
+    rows_per_chunk = max(1, math.isqrt(select_logits // heads))
+    block = max(k, select_logits // (rows_per_chunk * heads))
     for t0 in range(0, length, rows_per_chunk):
         t1 = min(t0 + rows_per_chunk, length)
         seen = min(visible_count(start + t1 - 1, ratio), n)
