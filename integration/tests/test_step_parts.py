@@ -117,6 +117,22 @@ def test_a_persistent_flip_corrupts_every_attempt_and_checksums_are_forced_on_re
     assert SDCGuard.corrupted(again) and guard.injected == 2  # type: ignore[arg-type]
 
 
+def test_by_default_checksums_run_on_sampled_steps_and_catch_a_flip_there(tmp_path: Path) -> None:
+    lm = _mlp()
+    probe = SilentDataCorruption(gradient=False, checksum_sample_steps=0.3)
+    sampled_switch = SDCGuard(probe, lm, replica_id=0, events_path=tmp_path / "p.jsonl").switch
+    sampled = next(s for s in range(2, 50) if sampled_switch.step_sampled(s))
+    skipped = next(s for s in range(2, 50) if not sampled_switch.step_sampled(s))
+    for step, caught in ((sampled, True), (skipped, False)):
+        config = SilentDataCorruption(
+            gradient=False, checksum_sample_steps=0.3, inject_step=step, inject_replica=0
+        )
+        guard = SDCGuard(config, lm, replica_id=0, events_path=tmp_path / f"{step}.jsonl")
+        assert _step(lm, guard, step=1, attempt=1) == []  # no fault: no event, sampled or not
+        events = _step(lm, guard, step=step, attempt=1)
+        assert guard.injected == 1 and SDCGuard.corrupted(events) is caught  # type: ignore[arg-type]
+
+
 def test_a_non_finite_loss_is_an_event(tmp_path: Path) -> None:
     guard = SDCGuard(
         SilentDataCorruption(gradient=False), _mlp(), replica_id=0, events_path=tmp_path / "e.jsonl"

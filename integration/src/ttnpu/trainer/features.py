@@ -98,8 +98,14 @@ class SilentDataCorruption:
     """Watch this replica's computation."""
 
     checksums: Literal["always", "escalate", "off"] = "escalate"
-    """Matmul checksums in forward and backward: on every step; only while gradient statistics
-    have escalated (and on every re-run); or only on re-runs."""
+    """Matmul checksums in forward and backward: on every step; while gradient statistics have
+    escalated, on sampled steps (``checksum_sample_steps``) and on every re-run; or only on
+    re-runs."""
+
+    checksum_sample_steps: float = 0.01
+    """With ``checksums = "escalate"``: the fraction of steps checked anyway (the same steps on
+    every replica), so a corruption that leaves gradient statistics alone is still found; a
+    persistent fault is caught within ~1/fraction steps."""
 
     gradient: bool = True
     """Gradient feature-value detection at every optimizer step (before the cross-replica
@@ -125,6 +131,10 @@ class SilentDataCorruption:
     """The bit flipped (30: the top exponent bit of an fp32 value)."""
 
     def validate(self) -> None:
+        if not 0.0 <= self.checksum_sample_steps <= 1.0:
+            raise ValueError(
+                f"sdc.checksum_sample_steps must be in [0, 1], got {self.checksum_sample_steps}"
+            )
         if self.gradient_warmup_steps < 1:
             raise ValueError(
                 f"sdc.gradient_warmup_steps must be >= 1, got {self.gradient_warmup_steps}"

@@ -1,5 +1,9 @@
 """ttnpu-sdc inside the training step: what is checked on each attempt and what a detection means.
 
+By default (``checksums = "escalate"``) gradient statistics are judged at every step, and the
+matmul checksums run only while those have struck (for a cooldown), on a sampled fraction of steps
+and on every re-run: the escalation policy of torch_npu's own detection, cheap enough to leave on.
+
 Every detection is written to ``sdc_events.jsonl`` in the run folder and vetoes the step on every
 replica, so nothing corrupted is committed anywhere: a matmul whose checksum is wrong, a gradient
 whose statistics jump, a non-finite loss, a cross-replica gradient all-reduce whose checksums do
@@ -54,7 +58,8 @@ class SDCGuard:
         whole job, over all replica groups."""
         self.config = config
         self.replica_id = replica_id
-        self.switch = ChecksumSwitch(on=config.checksums == "always")
+        sample = config.checksum_sample_steps if config.checksums == "escalate" else 0.0
+        self.switch = ChecksumSwitch(on=config.checksums == "always", sample_steps=sample)
         self.flag = VetoFlag()
         self.log = EventLog(events_path)
         self.reporter = Reporter(
@@ -95,10 +100,10 @@ class SDCGuard:
             flip_bit(result, 0, self.config.inject_bit)
             self.injected += 1
 
-    def _checking(self, attempt: int) -> bool:
-        if attempt > 1:
-            return True
-        return self.config.checksums != "off" and self.switch.is_on()
+    def _checking(self, step: int, attempt: int) -> bool:
+        """Every re-run; else while on, escalated or on a sampled step (``switch``)."""
+        on = self.switch.begin_step(step)
+        return attempt > 1 or (self.config.checksums != "off" and on)
 
     def _fault(self) -> FaultPlan | None:
         if not self._due("matmul"):
@@ -115,7 +120,7 @@ class SDCGuard:
             plan = self._fault()
             if plan is not None:
                 stack.enter_context(MatmulFaultMode(plan))
-            if self._checking(attempt):
+            if self._checking(step, attempt):
                 stack.enter_context(ChecksumMode(reporter=self.reporter, switch=_ALWAYS))
             yield
             if plan is not None:
