@@ -78,10 +78,12 @@ class SDCGuard:
         )
         self.injected = 0
         self._step, self._attempt = 0, 0
+        self._reduction_hit = (0, 0)  # the attempt whose all-reduce was corrupted
 
     def reduction_check(self, max_world: int) -> ReductionChecksums:
-        """The check of the cross-replica gradient all-reduce (ttnpu-ft's ``ReductionCheck``),
-        reporting here and carrying the planned all-reduce fault."""
+        """The check of the cross-replica gradient all-reduce, bucket by bucket (ttnpu-ft's
+        ``ReductionCheck``), reporting here and carrying the planned all-reduce fault (into the
+        attempt's first checked bucket only)."""
         return ReductionChecksums(
             max_world, reporter=self.reporter, fault=self._corrupt_reduction, name="grad_allreduce"
         )
@@ -96,7 +98,8 @@ class SDCGuard:
         )
 
     def _corrupt_reduction(self, name: str, result: torch.Tensor) -> None:
-        if self._due("allreduce"):
+        if self._due("allreduce") and self._reduction_hit != (self._step, self._attempt):
+            self._reduction_hit = (self._step, self._attempt)
             flip_bit(result, 0, self.config.inject_bit)
             self.injected += 1
 

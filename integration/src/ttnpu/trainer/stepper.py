@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -59,6 +60,9 @@ class Stepper(Protocol):
     def set_step(self, step: int) -> None:
         """The training step was loaded from a checkpoint (resume, rollback)."""
 
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Around every backward of a step but the last: gradients only accumulate."""
+
     def close(self) -> None: ...
 
 
@@ -96,6 +100,9 @@ class LocalStepper:
 
     def set_step(self, step: int) -> None:
         pass
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
     def close(self) -> None:
         pass
@@ -168,6 +175,9 @@ class ReplicaStepper:
 
     def set_step(self, step: int) -> None:
         self.replica.set_step(step)
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        return self.replica.no_sync()
 
     def close(self) -> None:
         self.replica.close()

@@ -221,9 +221,11 @@ class DSV4Trainer(Trainer):
         loss = torch.zeros((), device=self.device)
         watch = self.sdc.watch(step, attempt) if self.sdc is not None else nullcontext()
         with watch:
+            last = len(planned.microbatches) - 1
             for i, (input_dict, labels) in enumerate(planned.microbatches):
                 inputs = {k: v.to(self.device) for k, v in input_dict.items()}
-                with planned.replay(i):
+                accumulating = self.stepper.no_sync() if i < last else nullcontext()
+                with planned.replay(i), accumulating:
                     part = self.forward_backward_step(
                         input_dict=inputs,
                         labels=labels.to(self.device),

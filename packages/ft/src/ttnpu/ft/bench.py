@@ -1,11 +1,13 @@
 """Benchmark of ttnpu.ft; prints one JSON line.
 
-    python -m ttnpu.ft.bench [--steps 30] [--width 1024] [--depth 4] [--batch 256] [--mb 256]
+    python -m ttnpu.ft.bench [--rounds 5] [--steps 20] [--width 1024] [--depth 4] [--batch 256]
 
 Side by side in one run, on this host:
-- tokens/s with fault tolerance on (two torchft replica groups, embedded Lighthouse) vs off (the
-  same two processes as plain gloo data parallelism), and FT's own per-step calls as a fraction of
-  the step;
+- tokens/s of two data-parallel ranks in three arms interleaved in the same two processes
+  (:mod:`ttnpu.ft.bench_arms`): off (plain gloo), ft (two ttnpu.ft replica groups) and torchft's
+  own DDP + OptimizerWrapper; per round the on/off ratios, then their median and spread (min,
+  max), CPU seconds per step beside wall seconds, and FT's own per-step calls (quorum wait,
+  vote, commit) as a fraction of the step;
 - the time from SIGKILL of one replica (mid-step) to the survivor's next commit;
 - heal transfer throughput: ttnpu's SocketTransport vs torchft's HTTPTransport on the same
   snapshot, with a cold copy of the same bytes as the host's ceiling.
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from torchft.checkpointing.http_transport import HTTPTransport
 
+from ttnpu.ft.bench_arms import ARMS
 from ttnpu.ft.lighthouse import EmbeddedLighthouse
 from ttnpu.ft.transport import SocketTransport
 
@@ -65,21 +68,71 @@ def _wait(cond: Any, timeout: float, what: str) -> Any:
     raise TimeoutError(f"bench: timed out waiting for {what}")
 
 
-def run_arm(mode: str, args: argparse.Namespace, root: Path, kill: bool = False) -> dict[str, Any]:
-    """Two replicas of ``mode`` ("ft" or "plain"); tokens/s over the steps after warm-up."""
-    out = root / f"{mode}_{time.monotonic_ns()}"
+def _launch_arms(out: Path, replica_id: int, extra: list[str]) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "ttnpu.ft.bench_arms", "--replica-id", str(replica_id)]
+    cmd += ["--out", str(out), "--go-file", str(out / "go"), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
+    log = (out / f"arms_stderr_{replica_id}.log").open("w")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+
+
+def run_arms(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    """The three arms interleaved in the same two processes; every step record of both."""
+    out = root / "arms"
     out.mkdir()
+    ours = EmbeddedLighthouse(2, join_timeout_ms=30_000, heartbeat_timeout_ms=HEARTBEAT_MS)
+    theirs = EmbeddedLighthouse(2, join_timeout_ms=30_000, heartbeat_timeout_ms=HEARTBEAT_MS)
+    extra = [
+        "--master-port", str(_free_port()), "--lighthouse", ours.address,
+        "--torchft-lighthouse", theirs.address, "--rounds", str(args.rounds),
+        "--steps", str(args.steps), "--width", str(args.width), "--depth", str(args.depth),
+        "--batch", str(args.batch), "--bucket-cap-mb", str(args.bucket_cap_mb),
+    ]  # fmt: skip
+    procs = [_launch_arms(out, i, extra) for i in range(2)]
+    logs = [out / f"arms_{i}.jsonl" for i in range(2)]
+    try:
+        _wait(lambda: all(_records(p) for p in logs), 300, "both bench ranks ready")
+        (out / "go").touch()
+        done = lambda i: any(r.get("event") == "done" for r in _records(logs[i]))  # noqa: E731
+        over = lambda: all(done(i) or procs[i].poll() is not None for i in (0, 1))  # noqa: E731
+        _wait(over, 3600, "the arms")
+        for i in (0, 1):
+            if not done(i):
+                tail = (out / f"arms_stderr_{i}.log").read_text()[-2000:]
+                raise RuntimeError(f"bench: rank {i} exited {procs[i].returncode}:\n{tail}")
+        return [r for p in logs for r in _records(p) if "arm" in r]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        ours.close()
+        theirs.close()
+
+
+def _arm_round(records: list[dict[str, Any]]) -> dict[str, float]:
+    """One arm in one round: median wall and CPU seconds per step (both ranks' steps) and FT's
+    own calls as a fraction of the step."""
+    own = [
+        (r["timings"]["quorum"] + r["timings"]["vote_commit"]) / r["seconds"]
+        for r in records
+        if "timings" in r
+    ]
+    return {
+        "step_s": statistics.median(r["seconds"] for r in records),
+        "cpu_s": statistics.median(r["cpu_s"] for r in records),
+        "own_fraction": statistics.median(own) if own else 0.0,
+    }
+
+
+def death_to_next_commit(args: argparse.Namespace, root: Path) -> float:
+    """Two ft replicas (the drill); SIGKILL one mid-step; seconds to the survivor's next commit."""
+    out = root / "kill"
+    out.mkdir()
+    lighthouse = EmbeddedLighthouse(1, join_timeout_ms=30_000, heartbeat_timeout_ms=HEARTBEAT_MS)
     model = ["--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch)]
-    steps = args.steps + (1000 if kill else 0)
-    lighthouse = None
-    if mode == "ft":
-        lighthouse = EmbeddedLighthouse(
-            1, join_timeout_ms=30_000, heartbeat_timeout_ms=HEARTBEAT_MS
-        )
-        extra = ["--mode", "ft", "--lighthouse", lighthouse.address, "--steps", str(steps)]
-    else:
-        extra = ["--mode", "plain", "--master-port", str(_free_port()), "--steps", str(steps)]
-    procs = [_launch(out, i, [*extra, *model]) for i in range(2)]
+    extra = ["--mode", "ft", "--lighthouse", lighthouse.address, "--steps", "100000", *model]
+    procs = [_launch(out, i, extra) for i in range(2)]
     logs = [out / f"replica_{i}.jsonl" for i in range(2)]
     try:
         _wait(
@@ -88,45 +141,15 @@ def run_arm(mode: str, args: argparse.Namespace, root: Path, kill: bool = False)
             "ready",
         )
         (out / "go").touch()
-        steps_of = lambda i: [r for r in _records(logs[i]) if r.get("committed")]  # noqa: E731
-        _wait(
-            lambda: len(steps_of(0)) >= args.steps and len(steps_of(1)) >= args.steps, 900, "steps"
-        )
-        result = _throughput(args, [steps_of(0)[: args.steps], steps_of(1)[: args.steps]])
-        if kill:
-            result["death_to_next_commit_s"] = _kill_and_time(procs[1], logs[0])
-        return result
+        committed = lambda i: [r for r in _records(logs[i]) if r.get("committed")]  # noqa: E731
+        _wait(lambda: len(committed(0)) >= 3 and len(committed(1)) >= 3, 300, "steps")
+        return _kill_and_time(procs[1], logs[0])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
-        if lighthouse is not None:
-            lighthouse.close()
-
-
-def _throughput(
-    args: argparse.Namespace, per_replica: list[list[dict[str, Any]]]
-) -> dict[str, Any]:
-    warm = max(2, args.steps // 5)
-    tokens_s = 0.0
-    ft_fraction = []
-    for records in per_replica:
-        timed = records[warm:]
-        span = timed[-1]["t"] - records[warm - 1]["t"]
-        tokens_s += args.batch * len(timed) / span
-        for r in timed:
-            timings = r.get("timings", {})
-            own = timings.get("quorum", 0.0) + timings.get("vote_commit", 0.0)
-            ft_fraction.append(own / r["seconds"])
-    step_s = statistics.median(r["seconds"] for r in per_replica[0][warm:])
-    allreduce_s = statistics.median(r["timings"]["allreduce"] for r in per_replica[0][warm:])
-    return {
-        "tokens_per_s": tokens_s,
-        "step_s": step_s,
-        "allreduce_s": allreduce_s,
-        "ft_own_calls_fraction": statistics.median(ft_fraction) if ft_fraction else 0.0,
-    }
+        lighthouse.close()
 
 
 def _kill_and_time(victim: subprocess.Popen[bytes], survivor_log: Path) -> float:
@@ -175,50 +198,68 @@ def transfer(megabytes: int) -> dict[str, float]:
     }
 
 
+def _ratios(args: argparse.Namespace, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per round, each arm's throughput relative to off (the ratio of median step times, both
+    ranks stepping together), wall and CPU; then the median over rounds and the spread."""
+    rounds = [
+        {
+            arm: _arm_round([r for r in records if r["round"] == round_ and r["arm"] == arm])
+            for arm in ARMS
+        }
+        for round_ in range(args.rounds)
+    ]
+    median = statistics.median
+    figures: dict[str, Any] = {}
+
+    def summarize(name: str, values: list[float]) -> None:
+        figures[name] = median(values)
+        figures[f"{name}_spread"] = [min(values), max(values)]
+
+    for name, arm in (("ft", "ft"), ("torchft_ddp", "torchft")):
+        ratios = [r["off"]["step_s"] / r[arm]["step_s"] for r in rounds]
+        summarize(f"{name}_on_off_ratio", ratios)
+        figures[f"{name}_on_off_ratios"] = [round(x, 4) for x in ratios]
+        summarize(f"{name}_on_off_cpu_ratio", [r["off"]["cpu_s"] / r[arm]["cpu_s"] for r in rounds])
+    for arm in ARMS:
+        step_s = median(r[arm]["step_s"] for r in rounds)
+        figures[f"tokens_per_s_{arm}"] = 2 * args.batch / step_s
+        figures[f"step_s_{arm}"] = step_s
+        figures[f"cpu_s_per_step_{arm}"] = median(r[arm]["cpu_s"] for r in rounds)
+    figures["ft_own_calls_fraction_of_step"] = median(r["ft"]["own_fraction"] for r in rounds)
+    return figures
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20, help="steps per arm per round")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--mb", type=int, default=256, help="snapshot size for the transfer figure")
-    p.add_argument("--rounds", type=int, default=2, help="alternating off/on rounds (median)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved off/ft/torchft rounds")
+    p.add_argument("--bucket-cap-mb", type=float, default=4.0, help="ft arm's bucket size")
     args = p.parse_args(argv)
-    offs, ons = [], []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        for r in range(args.rounds):
-            offs.append(run_arm("plain", args, root))
-            ons.append(run_arm("ft", args, root, kill=r == args.rounds - 1))
-    transfers = [transfer(args.mb) for _ in range(args.rounds)]
-    ratios = [on["tokens_per_s"] / off["tokens_per_s"] for off, on in zip(offs, ons, strict=True)]
-    median = statistics.median
-
-    def mid(arms: list[dict[str, Any]], key: str) -> float:
-        return float(median(a[key] for a in arms))
-
+        records = run_arms(args, root)
+        death_s = death_to_next_commit(args, root)
+    transfers = [transfer(args.mb) for _ in range(3)]
     figures = {
         "bench": "ttnpu.ft",
         "host_cpus": os.cpu_count(),
+        "host_load_1min": os.getloadavg()[0],
         "model": {
             "width": args.width,
             "depth": args.depth,
             "batch": args.batch,
-            "steps": args.steps,
+            "steps_per_block": args.steps,
+            "bucket_cap_mb": args.bucket_cap_mb,
         },
         "rounds": args.rounds,
-        "tokens_per_s_ft_off": mid(offs, "tokens_per_s"),
-        "tokens_per_s_ft_on": mid(ons, "tokens_per_s"),
-        "ft_on_off_ratio": median(ratios),
-        "ft_on_off_ratios": ratios,
-        "step_s_ft_off": mid(offs, "step_s"),
-        "step_s_ft_on": mid(ons, "step_s"),
-        "grad_allreduce_s_ft_off": mid(offs, "allreduce_s"),
-        "grad_allreduce_s_ft_on": mid(ons, "allreduce_s"),
-        "ft_own_calls_fraction_of_step": mid(ons, "ft_own_calls_fraction"),
-        "death_to_next_commit_s": ons[-1]["death_to_next_commit_s"],
+        **_ratios(args, records),
+        "death_to_next_commit_s": death_s,
         "heartbeat_timeout_s": HEARTBEAT_MS / 1000,
-        "transfer": {k: median(t[k] for t in transfers) for k in transfers[0]},
+        "transfer": {k: statistics.median(t[k] for t in transfers) for k in transfers[0]},
     }
     print(json.dumps(figures))
 

@@ -7,6 +7,7 @@ replica-consistent MoE counters. A training loop calls ``run_step(fn)`` once per
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -16,13 +17,13 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed import TCPStore
-from torch.distributed.tensor import DTensor
 from torchft import Manager
 from torchft.checkpointing.transport import CheckpointTransport
 
 from ttnpu.ft.devices import DeviceAdapter, select_adapter
 from ttnpu.ft.moe_balance import sum_expert_counts_across_replicas
 from ttnpu.ft.recovery import StepRecovery
+from ttnpu.ft.reducer import GradientReducer, ReductionCheck
 from ttnpu.ft.snapshot import ReplicaState, Stateful
 from ttnpu.ft.transport import SocketTransport
 from ttnpu.ft.veto import CommitVeto
@@ -36,16 +37,6 @@ class LRScheduler(Stateful, Protocol):
     """What the replica needs of an LR scheduler: stepped only on committed steps."""
 
     def step(self) -> None: ...
-
-
-class ReductionCheck(Protocol):
-    """Verifies the cross-replica gradient all-reduce (ttnpu-sdc's ``ReductionChecksums`` is
-    one): ``before`` turns the local buffer into checksums, which are all-reduced on their own;
-    ``after`` judges the reduced buffer against them. A failed check vetoes the step."""
-
-    def before(self, local: torch.Tensor) -> torch.Tensor: ...
-
-    def after(self, result: torch.Tensor, checksums: torch.Tensor, world: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -66,6 +57,7 @@ class ReplicaConfig:
     group_world_size: int = 1
     store_addr: str | None = None  # the group's TCPStore; None with one rank: started here
     store_port: int | None = None
+    bucket_cap_mb: float = 4.0  # gradients at least this large are reduced alone, in place
 
     def __post_init__(self) -> None:
         checks = [
@@ -78,6 +70,7 @@ class ReplicaConfig:
                 "in [0, group_world_size)",
             ),
             ("max_consecutive_recoveries", self.max_consecutive_recoveries >= 0, ">= 0"),
+            ("bucket_cap_mb", self.bucket_cap_mb > 0, "> 0"),
         ]
         for name in ("collective_timeout", "timeout", "quorum_timeout", "recovery_timeout"):
             checks.append((name, getattr(self, name).total_seconds() > 0, "> 0 s"))
@@ -96,7 +89,7 @@ class StepResult:
     step: int  # the Manager's step after the vote (committed steps so far)
     vetoed: bool = False
     recovered: bool = False
-    participants: int = 0
+    participants: int = 0  # replicas whose gradients the step averaged (a healing one's: none)
     seconds: float = 0.0
     output: Any = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -105,9 +98,11 @@ class StepResult:
 class Replica:
     """A model + optimizer trained as one torchft replica group.
 
-    ``run_step(fn)``: quorum (and heal, applied on this thread) -> ``fn()`` (forward/backward) ->
-    gradient all-reduce across replicas -> MoE token counters summed across replicas -> veto vote
-    -> ``should_commit`` -> optimizer and LR scheduler step under the recovery lock. A discarded
+    ``run_step(fn)``: the quorum starts (computed while the forward runs) -> ``fn()``
+    (forward/backward; gradients are averaged across replicas in buckets during the backward) ->
+    MoE token counters summed across replicas -> veto vote -> ``should_commit`` (a heal is applied
+    here, on this thread, before the update: a healing replica's own gradients are zeroed, as
+    torchft does) -> optimizer and LR scheduler step under the recovery lock. A discarded
     step cleans the training site and the LR scheduler does not move; whether its data is retried
     or skipped is the caller's choice.
     """
@@ -153,7 +148,7 @@ class Replica:
             load_state_dict=self._load_snapshot,
             state_dict=self.state.snapshot,
             min_replica_size=config.min_replica_size,
-            use_async_quorum=False,  # heal applied at the quorum, on the training thread
+            use_async_quorum=True,  # overlapped with the forward; a heal applies at the commit
             timeout=config.timeout,
             quorum_timeout=config.quorum_timeout,
             connect_timeout=config.quorum_timeout,
@@ -166,6 +161,15 @@ class Replica:
             checkpoint_transport=checkpoint_transport or SocketTransport(config.timeout),
         )
         self.veto = CommitVeto(self.manager, self.adapter.device)
+        self.reducer = GradientReducer(
+            [p for p in model.parameters() if p.requires_grad],
+            self.manager,
+            self.pg.size,
+            cap_bytes=max(1, int(config.bucket_cap_mb * 2**20)),
+            check=reduction_check,
+            on_corrupt=self.veto.raise_flag,
+            finish_guard=lambda finish: self.recovery.guard("allreduce_gradients", finish),
+        )
         self._closed = False
 
     def _load_snapshot(self, snapshot: Any) -> None:
@@ -180,45 +184,17 @@ class Replica:
 
     # -- the step ----------------------------------------------------------------------------------
     def allreduce_gradients(self) -> None:
-        """Average every gradient across the participating replicas (one all-reduce per dtype).
+        """Average every gradient across the participating replicas (see :mod:`ttnpu.ft.reducer`).
 
-        A parameter without a gradient contributes zeros, so all replicas send the same layout; a
-        has-gradient mask travels in the same buffer, and a parameter no replica produced a
-        gradient for gets ``grad = None`` back, so the optimizer leaves it alone (no weight
-        decay, no moment update). DTensor gradients reduce their local shard (every replica
-        shards the same way). With a ``reduction_check`` every buffer's checksums travel in an
-        all-reduce of their own, and a result that fails the check vetoes the step.
-        """
-        buckets: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}
-        for param in self.model.parameters():
-            if not param.requires_grad:
-                continue
-            grad = param.grad
-            has_grad = grad is not None
-            if grad is None:
-                grad = param.grad = torch.zeros_like(param)
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            buckets.setdefault(local.dtype, []).append((param, local, has_grad))
-        for bucket in buckets.values():
-            grads = [g for _, g, _ in bucket]
-            mask = torch.tensor([float(h) for _, _, h in bucket], device=grads[0].device)
-            flat = torch.cat([*(g.reshape(-1) for g in grads), mask.to(grads[0].dtype)])
-            check = self.reduction_check
-            if check is None:
-                self.manager.allreduce(flat).wait()
-            else:
-                checksums = check.before(flat)
-                self.manager.allreduce(checksums).wait()
-                self.manager.allreduce(flat).wait()
-                if not check.after(flat, checksums, self.manager.num_participants()):
-                    self.veto.raise_flag("the gradient all-reduce arrived corrupted")
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-            for (owner, _, _), anyone in zip(bucket, flat[offset:].tolist(), strict=True):
-                if anyone == 0:
-                    owner.grad = None
+        ``run_step`` does it during the backward; this finishes what the backward did not (no
+        backward in the step, or gradients FSDP2 assigned without the gradient-ready hook). A
+        parameter no replica produced a gradient for gets ``grad = None``; with a
+        ``reduction_check`` a bucket that fails it vetoes the step."""
+        self.reducer.finish()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backwards inside only accumulate: all but the last micro-batch of a step (as DDP's)."""
+        return self.reducer.no_sync()
 
     def sum_expert_counts(self) -> int:
         """Sum MoE ``tokens_per_expert`` counters across replicas (call before the bias update)."""
@@ -261,18 +237,22 @@ class Replica:
         self.recovery.begin_step()
         self.manager.start_quorum()
         self.optimizer.zero_grad(set_to_none=True)
+        self.reducer.begin_step()
         timings["quorum"] = time.perf_counter() - t0
         output = None
         step_timeout = self.config.step_timeout
         try:
-            if step_timeout is None:  # no step timer: only the collectives are watched
-                output = fn()
-            else:
-                output = self.recovery.guard("forward_backward", fn, step_timeout)
-            t1 = time.perf_counter()
-            self.recovery.guard("allreduce_gradients", self.allreduce_gradients)
+            try:
+                if step_timeout is None:  # no step timer: only the collectives are watched
+                    output = fn()
+                else:
+                    output = self.recovery.guard("forward_backward", fn, step_timeout)
+                self.recovery.guard("allreduce_gradients", self.allreduce_gradients)
+            finally:
+                self.reducer.end_step()
             t2 = time.perf_counter()
-            timings["allreduce"] = t2 - t1
+            timings["quorum"] += self.reducer.quorum_wait_s
+            timings["allreduce"] = self.reducer.finish_s  # the waits left after the backward
             self.recovery.guard("sum_expert_counts", self.sum_expert_counts)
             if average_output:
                 output = self.recovery.guard("average_output", lambda: self._average(output))
@@ -292,7 +272,7 @@ class Replica:
                 seconds=time.perf_counter() - t0,
                 timings=timings,
             )
-        participants = self.manager.num_participants()
+        participants = self.reducer.contributors
         committed = self.manager.should_commit()
         timings["vote_commit"] = time.perf_counter() - t2
         if committed:
@@ -321,6 +301,7 @@ class Replica:
         if self._closed:
             return
         self._closed = True
+        self.reducer.close()
         self.manager.shutdown(wait=False)
         self.pg.shutdown()
         self._store = None
