@@ -7,6 +7,7 @@ from .checkpoint import (
     from_official,
     load_official_state_dict,
     load_pretrained,
+    load_weights,
     save_pretrained,
     to_official,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "from_official",
     "load_official_state_dict",
     "load_pretrained",
+    "load_weights",
     "save_pretrained",
     "to_official",
     "update_expert_bias",

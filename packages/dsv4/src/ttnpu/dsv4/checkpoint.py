@@ -1,6 +1,7 @@
 """Conversion between this package's state dict and the official DeepSeek-V4 checkpoint layout
-(the key names of the published weights, which transformers' DeepseekV4 loads), and safetensors
-save/load of a model directory (``config.json`` + ``model.safetensors``).
+(the key names of the published weights, which transformers' DeepseekV4 loads), and save/load of a
+model directory (``config.json`` + safetensors) in that layout or in transformers' own
+(:mod:`ttnpu.dsv4.hf_checkpoint`).
 
 The module tree mirrors the official names, so only two things change: routed experts are stacked
 here (``ffn.experts.w1`` [E, ...]) and per-expert there (``ffn.experts.{j}.w1.weight``), and the
@@ -10,17 +11,33 @@ selection bias is ``ffn.expert_bias`` here and ``ffn.gate.bias`` there (learned 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 from .config import DeepSeekV4Config
+from .hf_checkpoint import (
+    INDEX,
+    CheckpointError,
+    HFCheckpointReader,
+    Scan,
+    Source,
+    from_hf,
+    scan_checkpoint,
+    to_hf,
+)
 from .model import DeepSeekV4
 
 __all__ = [
@@ -28,6 +45,7 @@ __all__ = [
     "from_official",
     "load_official_state_dict",
     "load_pretrained",
+    "load_weights",
     "save_pretrained",
     "to_official",
 ]
@@ -37,24 +55,7 @@ _PER_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 _BIAS = re.compile(r"^(.*\.ffn)\.expert_bias$")
 _GATE_BIAS = re.compile(r"^(.*\.ffn)\.gate\.bias$")
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model: lists every missing, unexpected and
-    wrongly shaped key."""
-
-    def __init__(
-        self, missing: list[str], unexpected: list[str], mismatched: list[str], source: str
-    ) -> None:
-        parts = [f"checkpoint {source} does not match the model:"]
-        for label, keys in (
-            ("missing", missing),
-            ("unexpected", unexpected),
-            ("wrong shape", mismatched),
-        ):
-            if keys:
-                parts.append(f"  {label} ({len(keys)}): {', '.join(keys)}")
-        super().__init__("\n".join(parts))
-        self.missing, self.unexpected, self.mismatched = missing, unexpected, mismatched
+logger = logging.getLogger(__name__)
 
 
 def to_official(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -148,23 +149,41 @@ def load_official_state_dict(
             current[key].copy_(value)
 
 
-def save_pretrained(model: DeepSeekV4, directory: str | os.PathLike[str]) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (official layout) atomically as a pair:
-    both go into a fresh directory beside ``directory``, which then takes its place, so a kill
-    leaves the old pair or the new one, never new weights beside an old config (a kill leaves at
-    most a hidden ``.<name>.*`` directory beside it). An existing ``directory`` must hold only
-    such a pair (stale ``*.safetensors`` shards go with it; other files are refused, since they
-    would be lost). Replacing it takes two renames; a kill between them leaves no ``directory``
-    and the old pair intact in ``.<name>.old-*``."""
+def save_pretrained(
+    model: DeepSeekV4,
+    directory: str | os.PathLike[str],
+    *,
+    layout: Literal["official", "hf"] = "official",
+    shard_bytes: int = 5 << 30,
+) -> Path:
+    """Write ``config.json`` and the weights: ``model.safetensors`` in the official layout, or
+    with ``layout="hf"`` transformers' names in ``model-0000k-of-0000n.safetensors`` shards of at
+    most ``shard_bytes`` (a tensor larger than that gets a shard of its own) with their
+    ``model.safetensors.index.json``, written by torch.distributed.checkpoint's Hugging Face writer.
+
+    The files are written atomically as a set: they go into a fresh directory beside
+    ``directory``, which then takes its place, so a kill leaves the old set or the new one, never
+    new weights beside an old config (a kill leaves at most a hidden ``.<name>.*`` directory
+    beside it). An existing ``directory`` must hold only such a set (stale ``*.safetensors``
+    shards go with it; other files are refused, since they would be lost). Replacing it takes two
+    renames; a kill between them leaves no ``directory`` and the old set intact in
+    ``.<name>.old-*``."""
+    if layout not in ("official", "hf"):
+        raise ValueError(f"save_pretrained: layout must be 'official' or 'hf', got {layout!r}")
     path = Path(directory)
     if path.is_dir() and (others := sorted(_foreign_files(path))):
         raise ValueError(f"{path} holds files other than a saved model: {', '.join(others)}")
-    tensors = {k: v.detach().contiguous().cpu() for k, v in to_official(model.state_dict()).items()}
+    state = model.state_dict()
+    weights = to_official(state) if layout == "official" else to_hf(state)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
     config = json.dumps(model.config.to_hf_config(), indent=2, sort_keys=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.new-"))
     try:
-        save_file(tensors, staging / "model.safetensors")
+        if layout == "official":
+            save_file(tensors, staging / "model.safetensors")
+        else:
+            _write_shards(tensors, staging, shard_bytes)
         (staging / "config.json").write_text(config)
         if path.is_dir() and any(path.iterdir()):
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.old-"))
@@ -179,28 +198,85 @@ def save_pretrained(model: DeepSeekV4, directory: str | os.PathLike[str]) -> Pat
     return path
 
 
+def _write_shards(tensors: dict[str, torch.Tensor], directory: Path, shard_bytes: int) -> None:
+    """Shards of at most ``shard_bytes`` in key order, and their index, from this process."""
+    if shard_bytes <= 0:
+        raise ValueError(f"save_pretrained: shard_bytes must be positive, got {shard_bytes}")
+    shard_of: dict[str, int] = {}
+    shard, used = 1, 0
+    for key, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if used and used + size > shard_bytes:
+            shard, used = shard + 1, 0
+        shard_of[key], used = shard, used + size
+    writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=shard_of)
+    with _one_process():
+        dcp.save(tensors, storage_writer=writer, no_dist=True)
+
+
+@contextmanager
+def _one_process() -> Iterator[None]:
+    """torch.distributed.checkpoint in this process alone, without its warning that it is."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
 def _foreign_files(path: Path) -> list[str]:
     """Entries of a model directory that ``save_pretrained`` does not write."""
     return [
         p.name
         for p in path.iterdir()
-        if not (p.is_file() and (p.name == "config.json" or p.suffix == ".safetensors"))
+        if not (p.is_file() and (p.name in ("config.json", INDEX) or p.suffix == ".safetensors"))
     ]
 
 
-def load_pretrained(directory: str | os.PathLike[str]) -> DeepSeekV4:
-    """Build a model from ``config.json`` and load every ``*.safetensors`` file of the directory."""
+def load_pretrained(directory: str | os.PathLike[str], *, source: Source = "auto") -> DeepSeekV4:
+    """Build a model from ``config.json`` and stream in its weights (:func:`load_weights`):
+    official or transformers names, detected from the files (or ``source``). Only the files that
+    ``model.safetensors.index.json`` names (else ``model.safetensors``) are read. A folder
+    without MTP weights (transformers saves none) gives a model without MTP, with a warning."""
     path = Path(directory)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found")
     config = DeepSeekV4Config.from_hf_config(json.loads(config_file.read_text()))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {path}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file))
+    scan = scan_checkpoint(path, source)
+    if config.n_mtp_layers and not scan.has_mtp:
+        logger.warning(
+            "%s has no MTP weights (transformers' DeepseekV4 saves none): the model is built "
+            "with n_mtp_layers=0 (no MTP loss)",
+            path,
+        )
+        config = config.replace(n_mtp_layers=0)
     model = DeepSeekV4(config)
-    load_official_state_dict(model, state, source=str(path))
+    load_weights(model, path, source=source, scan=scan)
     return model
+
+
+def load_weights(
+    model: DeepSeekV4,
+    directory: str | os.PathLike[str],
+    *,
+    source: Source = "auto",
+    scan: Scan | None = None,
+) -> None:
+    """Stream a checkpoint folder's weights into ``model`` through torch.distributed.checkpoint:
+    with FSDP/EP-sharded parameters (DTensors) under an initialised process group, each rank
+    reads only its slices. Every key and shape is checked before anything changes
+    (:class:`CheckpointError`). MTP weights the folder lacks keep their values (a warning says
+    so). ``scan``: the folder's :func:`~ttnpu.dsv4.hf_checkpoint.scan_checkpoint`, if done."""
+    state = model.state_dict()
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in to_hf(DeepSeekV4(model.config).state_dict()).items()}
+    reader = HFCheckpointReader(directory, expected, source=source, scan=scan)
+    hf_state = to_hf(state)
+    if torch.distributed.is_initialized():
+        dcp.load(hf_state, storage_reader=reader)
+    else:
+        with _one_process():
+            dcp.load(hf_state, storage_reader=reader, no_dist=True)
+    with torch.no_grad():
+        for key, value in from_hf(hf_state).items():
+            if value is not state[key]:
+                state[key].copy_(value)

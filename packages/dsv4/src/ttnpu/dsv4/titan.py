@@ -29,9 +29,11 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import ActivationCheckpointingConfig
 from torchtitan.protocols import BaseModel
 from torchtitan.protocols.model_spec import ModelSpec
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from .ac_compile import apply_activation_checkpointing, apply_compile, check_options
 from .config import DeepSeekV4Config
+from .hf_checkpoint import HFCheckpointReader, from_hf, to_hf
 from .model import DeepSeekV4
 from .moe import GroupedExperts, update_expert_bias
 from .parallel import (
@@ -41,7 +43,13 @@ from .parallel import (
     check_context_parallel,
 )
 
-__all__ = ["DeepSeekV4LM", "model_spec", "parallelize", "register_expert_bias_update"]
+__all__ = [
+    "DeepSeekV4LM",
+    "DeepSeekV4StateDictAdapter",
+    "model_spec",
+    "parallelize",
+    "register_expert_bias_update",
+]
 
 
 class DeepSeekV4LM(BaseModel):
@@ -230,6 +238,58 @@ def register_expert_bias_update(
     optimizers.register_step_post_hook(update)
 
 
+class DeepSeekV4StateDictAdapter(StateDictAdapter):
+    """torchtitan's bridge to transformers' DeepseekV4 checkpoints, for
+    ``--checkpoint.initial_load_in_hf`` and ``--checkpoint.last_save_in_hf``: the names of
+    :mod:`ttnpu.dsv4.hf_checkpoint` (the ``model.`` of :class:`DeepSeekV4LM` taken off), loaded
+    through its reader (official or transformers names, checked before anything changes; a
+    folder without MTP weights leaves the MTP layers as initialised) and saved one shard per
+    block (``model.safetensors.index.json`` included). ``hf_assets_path`` is the tokenizer's
+    folder here, so no shard layout is taken from it."""
+
+    def __init__(self, model_config: DeepSeekV4LM.Config, hf_assets_path: str | None) -> None:
+        self.model_config = model_config
+        self.hf_assets_path = hf_assets_path
+        blocks = {key: _block(key) for key in self._expected()}
+        shard = {block: i for i, block in enumerate(sorted(set(blocks.values())), start=1)}
+        self.fqn_to_index_mapping = {key: shard[block] for key, block in blocks.items()}
+
+    def _expected(self) -> dict[str, torch.Size]:
+        with torch.device("meta"):
+            state = DeepSeekV4(self.model_config.dsv4()).state_dict()
+        return {k: v.shape for k, v in to_hf(state).items()}
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """transformers' names; the hash-routing tables as float32 copies, because torch's
+        consolidation of sharded HF saves cannot size integer tensors (pytorch/pytorch#192485).
+        Expert ids are exact in float32, and transformers and this adapter cast them back."""
+        hf = to_hf({k.removeprefix("model."): v for k, v in state_dict.items()})
+        return {k: v if v.is_floating_point() else v.float() for k, v in hf.items()}
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {f"model.{k}": v for k, v in from_hf(hf_state_dict).items()}
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False) -> HFCheckpointReader:
+        if from_quantized:
+            raise ValueError(
+                "checkpoint.initial_load_in_hf_quantized: quantized DeepSeek-V4 checkpoints "
+                "are not supported; load a dequantized one"
+            )
+        return HFCheckpointReader(path, self._expected())
+
+    def hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` that makes a saved folder loadable by transformers."""
+        return self.model_config.dsv4().to_hf_config()
+
+
+def _block(hf_key: str) -> tuple[int, int]:
+    """Shard order of a transformers key: embeddings, head and norms, the layers, MTP blocks."""
+    parts = hf_key.split(".")
+    if parts[0] == "mtp":
+        return (2, int(parts[1]))
+    return (1, int(parts[2])) if parts[:2] == ["model", "layers"] else (0, 0)
+
+
 def model_spec(flavor: str, **overrides: Any) -> ModelSpec:
     """The ModelSpec for a DeepSeek-V4 flavor, with DeepSeekV4Config fields replaced."""
     DeepSeekV4Config.from_flavor(flavor).replace(**overrides)  # fail here on a bad flavor/field
@@ -240,5 +300,5 @@ def model_spec(flavor: str, **overrides: Any) -> ModelSpec:
         parallelize_fn=parallelize,
         pipelining_fn=None,
         post_optimizer_build_fn=register_expert_bias_update,
-        state_dict_adapter=None,
+        state_dict_adapter=DeepSeekV4StateDictAdapter,
     )
