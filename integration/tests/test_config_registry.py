@@ -48,10 +48,26 @@ def test_dsv4_flash_ft_is_one_replica_group_of_64_dies_fsdp_64_by_ep_64() -> Non
     assert config.parallelism.data_parallel_shard_degree == 64
     assert config.parallelism.expert_parallel_degree == 64
     ft = config.fault_tolerance
-    assert (ft.enable, ft.replicas, ft.replica_id, ft.min_replicas) == (True, 2, 1, 1)
+    assert (ft.enable, ft.group_size, ft.replica_id, ft.min_replica_size) == (True, 2, 1, 1)
     assert config.spike.enable and config.sdc.enable
     model = config.model_spec.model if config.model_spec else None
     assert isinstance(model, DeepSeekV4LM.Config) and model.dsv4().n_layers == 43
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("--fault_tolerance.group_size", "--fault_tolerance.min_replica_size"),  # torchtitan's
+        ("--fault_tolerance.replicas", "--fault_tolerance.min_replicas"),  # the earlier aliases
+    ],
+)
+def test_fault_tolerance_takes_torchtitans_field_names_and_the_earlier_ones(
+    names: tuple[str, str],
+) -> None:
+    config = _parse("--config", "dsv4_debug", names[0], "3", names[1], "2")
+    ft = config.fault_tolerance
+    assert (ft.group_size, ft.min_replica_size) == (3, 2)
+    assert (ft.replicas, ft.min_replicas) == (3, 2)  # the earlier names read the same fields
 
 
 def test_dotted_overrides_apply_on_top_of_the_recipe() -> None:
@@ -67,7 +83,7 @@ def test_dotted_overrides_apply_on_top_of_the_recipe() -> None:
     ("override", "message"),
     [
         (("--fault_tolerance.replica_id", "2"), "replica_id 2 must be in"),
-        (("--fault_tolerance.min_replicas", "2"), "min_replicas 2 must be in"),
+        (("--fault_tolerance.min_replica_size", "2"), "min_replica_size 2 must be in"),
         (("--fault_tolerance.max_attempts", "1"), "max_attempts must be >= 2"),
         (("--sdc.inject_step", "3", "--sdc.no-enable"), "needs sdc.enable"),
         (("--spike.warmup_steps", "1"), "warmup_steps must be >= 2"),

@@ -10,11 +10,13 @@ One process, dsv4_debug on the bundled corpus, measured side by side (alternatin
   detection off, and with every matmul checksummed.
 - ``checksum_over_save``: writing the SHA-256 manifest of a checkpoint over the DCP save itself.
 
-Prints one JSON line.
+Prints one JSON line. ``--rounds`` and ``--steps`` (default 3 and 3) set how many alternating
+rounds, and trainer steps per round, are timed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import tempfile
@@ -35,7 +37,6 @@ from .run_folder import write_checksums
 from .sdc_guard import SDCGuard
 from .trainer import DSV4Trainer
 
-ROUNDS, STEPS = 3, 3
 Batches = Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]
 Schedule = AnticipatorySchedule[tuple[dict[str, torch.Tensor], torch.Tensor]]
 
@@ -52,25 +53,27 @@ def _build(folder: str) -> DSV4Trainer:
     return trainer
 
 
-def _timed_trainer_steps(trainer: DSV4Trainer, schedule: Schedule, sdc: SDCGuard | None) -> float:
+def _timed_trainer_steps(
+    trainer: DSV4Trainer, schedule: Schedule, sdc: SDCGuard | None, steps: int
+) -> float:
     trainer.sdc = sdc
     start = time.perf_counter()
-    for _ in range(STEPS):
+    for _ in range(steps):
         trainer.commit_step(schedule)
-    return (time.perf_counter() - start) / STEPS
+    return (time.perf_counter() - start) / steps
 
 
 def _timed_bare_steps(
-    trainer: DSV4Trainer, batches: Batches, optimizer: torch.optim.Optimizer
+    trainer: DSV4Trainer, batches: Batches, optimizer: torch.optim.Optimizer, steps: int
 ) -> float:
     model = trainer.model_parts[0]
     start = time.perf_counter()
-    for _ in range(STEPS):
+    for _ in range(steps):
         inputs, labels = next(batches)
         optimizer.zero_grad()
         model(inputs["input"], labels=labels).backward()
         optimizer.step()
-    return (time.perf_counter() - start) / STEPS
+    return (time.perf_counter() - start) / steps
 
 
 def _ratio(numerators: list[float], denominators: list[float]) -> float:
@@ -78,7 +81,27 @@ def _ratio(numerators: list[float], denominators: list[float]) -> float:
     return round(statistics.median(n / d for n, d in zip(numerators, denominators, strict=True)), 3)
 
 
-def main() -> None:
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ttnpu.trainer.bench",
+        description="What the trainer costs on top of the model (dsv4_debug on CPU), as ratios "
+        "measured side by side; prints one JSON line.",
+    )
+    parser.add_argument("--rounds", type=_positive, default=3, help="timed rounds (default 3)")
+    parser.add_argument("--steps", type=_positive, default=3, help="steps per round (default 3)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    rounds, steps = args.rounds, args.steps
     with tempfile.TemporaryDirectory() as folder:
         trainer = _build(folder)
         try:
@@ -99,20 +122,20 @@ def main() -> None:
                 "checksums_always": always,
             }
             for guard in variants.values():  # warm-up
-                _timed_trainer_steps(trainer, schedule, guard)
-            _timed_bare_steps(trainer, batches, bare_optimizer)
+                _timed_trainer_steps(trainer, schedule, guard, steps)
+            _timed_bare_steps(trainer, batches, bare_optimizer, steps)
             times: dict[str, list[float]] = {name: [] for name in [*variants, "bare"]}
-            for _ in range(ROUNDS):
+            for _ in range(rounds):
                 for name, guard in variants.items():
-                    times[name].append(_timed_trainer_steps(trainer, schedule, guard))
-                times["bare"].append(_timed_bare_steps(trainer, batches, bare_optimizer))
+                    times[name].append(_timed_trainer_steps(trainer, schedule, guard, steps))
+                times["bare"].append(_timed_bare_steps(trainer, batches, bare_optimizer, steps))
 
             state = {
                 "model": trainer.model_parts[0].state_dict(),
                 "optimizer": trainer.optimizers.state_dict(),
             }
             save_s, checksum_s = [], []
-            for i in range(ROUNDS):
+            for i in range(rounds):
                 path = Path(folder) / f"step-{i}"
                 start = time.perf_counter()
                 dcp.save(state, checkpoint_id=str(path))

@@ -13,6 +13,11 @@ here); under torchrun its environment is used and ``--run-name`` gives all ranks
 ``--replicas N`` runs N replica groups as processes under an embedded Lighthouse
 (:mod:`ttnpu.trainer.launcher`), each in ``<run>/replica_<i>/``.
 
+Every option is checked before anything is built or written (:mod:`ttnpu.trainer.validation`):
+a bad one exits 2 with one line naming it and what was expected, and leaves no run folder.
+Under fault tolerance each log line carries its replica id; torchft's own logs (its Python
+loggers and its Rust ``RUST_LOG``) stay at WARNING unless ``--torchft-logs``.
+
 Exit status: 0 when training finished; 2 for a bad command line, config or checkpoint;
 3 (``EXIT_PERSISTENT_SDC``) for a replica taken out by a persistent silent data corruption.
 """
@@ -20,33 +25,50 @@ Exit status: 0 when training finished; 2 for a bad command line, config or check
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
+import logging
 import os
 import re
 import shutil
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from .features import EXIT_PERSISTENT_SDC, PersistentSDCError
-from .run_folder import CheckpointError, newest_checkpoint, verify_checkpoint
+# torch, torchtitan and the recipes are imported once the command line asks for them: --help
+# and a bad flag answer at once
+from .run_folder import CheckpointError
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from torchtitan.config import ConfigManager
+
+__all__ = ["OneLineParser", "UsageError", "main"]
 
 DEFAULT_CONFIG = "dsv4_debug"
 _COMMAND_FILE = "command.json"
 _AC_CHOICE = re.compile(r"activation[-_]checkpoint:")
 _AC_OPTION = re.compile(r"--activation[-_]checkpoint\.")
+_HELP_HINT = "every option: ttnpu-train --help-config"
+_TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 
 
 class UsageError(Exception):
     """A bad command line or config: reported in one line, exit status 2."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors raise :class:`UsageError` (one line, no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="ttnpu-train",
         description="Train DeepSeek-V4 with torchtitan; any other --section.key VALUE is a "
         "torchtitan config override (see --help-config).",
@@ -67,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--list-configs", action="store_true", help="list recipes and exit")
     parser.add_argument(
         "--help-config", action="store_true", help="show every config override and exit"
+    )
+    parser.add_argument(
+        "--torchft-logs",
+        action="store_true",
+        help="show torchft's own INFO logs (quorums, commits; its Rust side too)",
     )
     return parser
 
@@ -94,7 +121,10 @@ def _new_run_folder(parent: Path, name: str | None) -> Path:
     run = parent / name
     if (run / _COMMAND_FILE).exists():
         raise UsageError(f"run folder {run} already holds a run; use --resume {run}")
-    run.mkdir(parents=True, exist_ok=True)
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--dump_folder {parent}: cannot create the run folder ({err})") from err
     return run
 
 
@@ -141,6 +171,8 @@ def _plan(
     saved_file = run / _COMMAND_FILE
     if not saved_file.is_file():
         raise UsageError(f"--resume {run}: not a run folder (no {_COMMAND_FILE})")
+    if not os.access(run, os.W_OK | os.X_OK):
+        raise UsageError(f"--resume {run}: the run folder is not writable")
     try:
         saved = json.loads(saved_file.read_text())
         config, saved_overrides = saved["config"], list(saved["overrides"])
@@ -154,6 +186,15 @@ def _plan(
 
 def _run(argv: Sequence[str]) -> int:
     args, overrides = _parser().parse_known_args(argv)
+    module = next((i for i, a in enumerate(overrides) if re.match(r"--module(=|$)", a)), None)
+    if module is not None:
+        given = " ".join(overrides[module : module + 2])
+        raise UsageError(
+            f"{given}: ttnpu-train trains the recipes of ttnpu.trainer (its --module is fixed); "
+            "choose one with --config (see --list-configs)"
+        )
+    if not args.torchft_logs:
+        os.environ.setdefault("RUST_LOG", "warn")  # read when torchft's native side loads
     from .config_registry import CONFIGS
 
     if args.list_configs:
@@ -165,22 +206,21 @@ def _run(argv: Sequence[str]) -> int:
     if config_name not in CONFIGS:
         raise UsageError(f"unknown --config {config_name!r}; expected one of {sorted(CONFIGS)}")
 
-    from torchtitan.config import ConfigManager
-    from torchtitan.tools.logging import init_logger
-
     from ttnpu.ft import LighthouseUnreachable
 
-    init_logger()
     tyro_args = ["--module", "ttnpu.trainer", "--config", config_name, *overrides]
     if args.help_config:
         tyro_args.append("--help")
-    config = ConfigManager().parse_args(tyro_args)  # exits 2 with tyro's message on a bad flag
+    config = _parse_config(tyro_args, CONFIGS[config_name])
+    _init_logging(config, torchft_logs=args.torchft_logs)
 
     if layout["replicas"] > 1:
         return _launch(
             config_name, overrides, resume, layout, Path(config.dump_folder), args, cli_overrides
         )
     if resume is not None:
+        from .run_folder import newest_checkpoint, verify_checkpoint
+
         # CheckpointError (missing, incomplete or corrupt) before anything is built or changed.
         checkpoints = resume / config.checkpoint.folder
         if config.checkpoint.load_step >= 0:
@@ -198,17 +238,24 @@ def _run(argv: Sequence[str]) -> int:
     single_process_env()
     try:
         trainer = config.build()
-    # torchtitan and the model validate their configs with ValueError
-    except (ValueError, LighthouseUnreachable) as err:
+    except BaseException as err:
         if resume is None and os.environ["RANK"] == "0":
             shutil.rmtree(run, ignore_errors=True)  # a run that never started leaves nothing
         if isinstance(err, LighthouseUnreachable):
             raise UsageError(str(err)) from err
-        raise UsageError(f"invalid config {config_name}: {err}") from err
+        if isinstance(err, ValueError):  # torchtitan and the model validate with ValueError
+            raise UsageError(f"invalid config {config_name}: {err}") from err
+        raise
     if resume is None and os.environ["RANK"] == "0":
         (run / _COMMAND_FILE).write_text(
             json.dumps({"config": config_name, "overrides": overrides}, indent=2) + "\n"
         )
+    return _train(trainer)
+
+
+def _train(trainer: Any) -> int:
+    from .features import EXIT_PERSISTENT_SDC, PersistentSDCError
+
     try:
         trainer.train()
     except PersistentSDCError as err:
@@ -221,6 +268,86 @@ def _run(argv: Sequence[str]) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _config_manager() -> ConfigManager:
+    """torchtitan's ConfigManager whose validation step is :func:`check_config` (which also
+    covers its own: the tokenizer folder exists)."""
+    from torchtitan.config import ConfigManager
+
+    from .validation import check_config
+
+    class CheckedConfigManager(ConfigManager):
+        def _validate_config(self) -> None:
+            check_config(self.config)
+
+    return CheckedConfigManager()
+
+
+def _parse_config(tyro_args: list[str], recipe: Callable[[], Any]) -> Any:
+    """The trainer config from torchtitan's parser; its errors as one-line :class:`UsageError`
+    (an unknown option with the closest of ``recipe``'s options)."""
+    from tyro import _errors as tyro_errors  # tyro's parse-error hook (version pinned in uv.lock)
+
+    def one_line(event: tyro_errors.ParseErrorEvent) -> None:
+        message = _describe(event, tyro_errors, recipe)
+        if message is not None:  # else tyro's own report (and exit status 2)
+            raise UsageError(f"{message} ({_HELP_HINT})")
+
+    try:
+        with tyro_errors.on_parse_error(one_line):
+            return _config_manager().parse_args(tyro_args)
+    except ValueError as err:  # check_config
+        raise UsageError(str(err)) from None
+
+
+def _describe(event: Any, kinds: Any, recipe: Callable[[], Any]) -> str | None:
+    """One line for a tyro parse error of the kinds torchtitan's options produce."""
+    if isinstance(event, kinds.UnrecognizedArgs):
+        flags = [t for t in event.tokens if t.startswith("-")] or event.tokens
+        return f"unrecognized option {' '.join(flags)}{_closest_option(flags[0], recipe())}"
+    flag = None
+    if getattr(event, "argument", None) is not None:
+        flag = "--" + event.argument.lowered.dest.replace("-", "_")
+    if isinstance(event, kinds.InvalidChoice):
+        return f"{flag} {event.value}: expected one of {', '.join(event.choices)}"
+    if isinstance(event, kinds.InstantiationFailure | kinds.BadValue):
+        what = getattr(event, "message", "a missing or extra value")
+        return what if flag is None else f"{flag}: {what}"
+    return None
+
+
+def _option_names(config: Any, prefix: str = "") -> Iterator[str]:
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name, None)
+        if dataclasses.is_dataclass(value):
+            yield from _option_names(value, f"{prefix}{field.name}.")
+        else:
+            yield f"--{prefix}{field.name}"
+
+
+def _closest_option(flag: str, config: Any) -> str:
+    name = "--" + flag.lstrip("-").split("=")[0].replace("-", "_")
+    close = difflib.get_close_matches(name, list(_option_names(config)), n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _init_logging(config: Any, *, torchft_logs: bool) -> None:
+    """torchtitan's logger, with the replica id on every line under fault tolerance and
+    torchft's own loggers at WARNING unless asked for."""
+    from torchtitan.tools.logging import init_logger, logger
+
+    init_logger()
+    if config.fault_tolerance.enable:
+        who = f"replica {config.fault_tolerance.replica_id}"
+        for handler in logger.handlers:
+            handler.setFormatter(
+                logging.Formatter(
+                    f"[titan] %(asctime)s - {who} - %(name)s - %(levelname)s - %(message)s"
+                )
+            )
+    for name in _TORCHFT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if torchft_logs else logging.WARNING)
 
 
 def _launch(
@@ -241,10 +368,12 @@ def _launch(
             "with TORCHFT_LIGHTHOUSE instead"
         )
     replicas = layout["replicas"]
+    forwarded = ["--torchft-logs"] if args.torchft_logs else []
     if resume is not None:
         run = resume
         children = [
-            ["--resume", str(run / f"replica_{i}"), *new_overrides] for i in range(replicas)
+            ["--resume", str(run / f"replica_{i}"), *new_overrides, *forwarded]
+            for i in range(replicas)
         ]
     else:
         run = _new_run_folder(dump_folder, args.run_name)
@@ -253,7 +382,7 @@ def _launch(
         )
         children = [
             ["--config", config_name, *overrides, "--dump_folder", str(run),
-             "--run-name", f"replica_{i}"]
+             "--run-name", f"replica_{i}", *forwarded]
             for i in range(replicas)
         ]  # fmt: skip
     print(f"ttnpu-train: {config_name} x {replicas} replicas -> run folder {run}", flush=True)

@@ -126,7 +126,7 @@ def dsv4_flash_ft() -> DSV4Trainer.Config:
     config = dsv4_flash()
     config.parallelism = ParallelismConfig(data_parallel_shard_degree=64, expert_parallel_degree=64)
     config.checkpoint.interval = 100
-    config.fault_tolerance = FaultTolerance(enable=True, replicas=2, min_replicas=1)
+    config.fault_tolerance = FaultTolerance(enable=True, group_size=2, min_replica_size=1)
     return config
 
 

@@ -9,7 +9,9 @@ step, for the e2e tests and the fault drills; they are off by default.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 __all__ = [
     "EXIT_PERSISTENT_SDC",
@@ -30,22 +32,24 @@ class PersistentSDCError(RuntimeError):
 
 @dataclass(kw_only=True, slots=True)
 class FaultTolerance:
-    """One torchft replica group per process group (ttnpu-ft): quorum, heal, commit veto."""
+    """One torchft replica group per process group (ttnpu-ft): quorum, heal, commit veto.
+    ``replica_id``, ``group_size`` and ``min_replica_size`` are torchtitan's own torchft names;
+    the earlier ``replicas`` and ``min_replicas`` (older run folders) are their aliases."""
 
     enable: bool = False
     """Train as a torchft replica group (needs a Lighthouse; ``ttnpu-train --replicas N`` starts
     one)."""
 
     replica_id: int = 0
-    """This replica group's id, in [0, replicas)."""
+    """This replica group's id, in [0, group_size)."""
 
-    replicas: int = 1
+    group_size: Annotated[int, tyro.conf.arg(aliases=("--fault-tolerance.replicas",))] = 1
     """Number of replica groups; the data is split into this many shards, one per group."""
 
     lighthouse: str = ""
     """Lighthouse address (``http://host:port``); empty: the ``TORCHFT_LIGHTHOUSE`` variable."""
 
-    min_replicas: int = 1
+    min_replica_size: Annotated[int, tyro.conf.arg(aliases=("--fault-tolerance.min-replicas",))] = 1
     """Fewest replica groups a step may commit with."""
 
     collective_timeout_seconds: float = 10.0
@@ -64,16 +68,28 @@ class FaultTolerance:
     """A folder where replica groups started together wait for each other before their first
     quorum (``--replicas N`` sets it); empty: no waiting (a replica that joins a running job)."""
 
+    @property
+    def replicas(self) -> int:
+        """:attr:`group_size` by its earlier name."""
+        return self.group_size
+
+    @property
+    def min_replicas(self) -> int:
+        """:attr:`min_replica_size` by its earlier name."""
+        return self.min_replica_size
+
     def validate(self) -> None:
-        if self.replicas < 1 or not 0 <= self.replica_id < self.replicas:
+        if self.group_size < 1:
+            raise ValueError(f"fault_tolerance.group_size must be >= 1, got {self.group_size}")
+        if not 0 <= self.replica_id < self.group_size:
             raise ValueError(
-                f"fault_tolerance.replica_id {self.replica_id} must be in [0, replicas = "
-                f"{self.replicas})"
+                f"fault_tolerance.replica_id {self.replica_id} must be in [0, group_size = "
+                f"{self.group_size})"
             )
-        if not 1 <= self.min_replicas <= self.replicas:
+        if not 1 <= self.min_replica_size <= self.group_size:
             raise ValueError(
-                f"fault_tolerance.min_replicas {self.min_replicas} must be in [1, replicas = "
-                f"{self.replicas}]"
+                f"fault_tolerance.min_replica_size {self.min_replica_size} must be in "
+                f"[1, group_size = {self.group_size}]"
             )
         for name in ("collective_timeout_seconds", "quorum_timeout_seconds"):
             if getattr(self, name) <= 0:

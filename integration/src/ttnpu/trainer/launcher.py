@@ -32,8 +32,8 @@ def replica_args(
     args = [
         "--fault_tolerance.enable",
         "--fault_tolerance.replica_id", str(replica_id),
-        "--fault_tolerance.replicas", str(replicas),
-        "--fault_tolerance.min_replicas", str(min_replicas),
+        "--fault_tolerance.group_size", str(replicas),
+        "--fault_tolerance.min_replica_size", str(min_replicas),
         "--fault_tolerance.lighthouse", lighthouse,
     ]  # fmt: skip
     if barrier is not None:

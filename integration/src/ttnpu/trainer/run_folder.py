@@ -19,8 +19,6 @@ import os
 import re
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemReader
-
 __all__ = [
     "CHECKSUMS",
     "CheckpointError",
@@ -41,6 +39,8 @@ class CheckpointError(Exception):
 
 def verify_checkpoint(path: Path) -> None:
     """Raise :class:`CheckpointError` unless ``path`` is a complete, readable DCP checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader  # torch: only when checking
+
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete (no .metadata)")
     try:

@@ -16,21 +16,37 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .report import write_report
-from .result import ScenarioResult
-from .scenarios import SCENARIOS, Drill, Sizes
+from ttnpu.trainer.cli import OneLineParser, UsageError
+from ttnpu.trainer.validation import writable_folder
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from .result import ScenarioResult
+    from .scenarios import Drill
+
+__all__ = ["SCENARIO_NAMES", "main"]
+
+SCENARIO_NAMES = (
+    "ft-accuracy",
+    "ft-throughput",
+    "replica-exit",
+    "replica-rejoin",
+    "kill-storm",
+    "sdc",
+    "loss-spike",
+)
+"""The keys of :data:`.scenarios.SCENARIOS`, in their order: the command line is parsed (and
+``--help`` answered) before the scenarios and torch are imported."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="ttnpu-drill",
         description="Run fault drills on real ttnpu-train processes; write report.md, "
         "report.json and PNG plots into --out. Exit 0: every check held, 1: one failed.",
     )
-    parser.add_argument("scenario", choices=[*SCENARIOS, "all"], help="what to run")
+    parser.add_argument("scenario", choices=[*SCENARIO_NAMES, "all"], help="what to run")
     parser.add_argument(
         "--out", type=Path, help="report folder (default: runs/drills/<timestamp>)", default=None
     )
@@ -43,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_scenarios(names: Sequence[str], drill: Drill) -> list[ScenarioResult]:
     """Run ``names`` in order; a scenario that raises becomes a failed result with the error."""
+    from .result import ScenarioResult
+    from .scenarios import SCENARIOS
+
     results = []
     for name in names:
         began = time.monotonic()
@@ -65,13 +84,21 @@ def run_scenarios(names: Sequence[str], drill: Drill) -> list[ScenarioResult]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except UsageError as err:
+        print(f"ttnpu-drill: error: {err}", file=sys.stderr)
+        return 2
     os.environ.setdefault("RUST_LOG", "warn")  # the drill's own Lighthouses: no per-quorum lines
     out = args.out or Path("runs", "drills") / time.strftime("%Y%m%d-%H%M%S")
-    if out.exists() and not out.is_dir():
-        print(f"ttnpu-drill: --out {out} exists and is not a folder", file=sys.stderr)
+    if not writable_folder(out):
+        print(f"ttnpu-drill: error: --out {out}: expected a folder this user can create and "
+              "write", file=sys.stderr)  # fmt: skip
         return 2
-    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    from .report import write_report
+    from .scenarios import Drill, Sizes
+
+    names = list(SCENARIO_NAMES) if args.scenario == "all" else [args.scenario]
     drill = Drill(out=out, sizes=Sizes.quick() if args.quick else Sizes(), seed=args.seed)
     results = run_scenarios(names, drill)
     command = shlex.join(["ttnpu-drill", *(sys.argv[1:] if argv is None else argv)])

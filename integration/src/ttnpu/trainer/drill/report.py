@@ -16,24 +16,26 @@ matplotlib.use("Agg")  # files only: no display on a training host
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure as MplFigure
 
-from .result import Figure, ScenarioResult, Span
+from .result import Curve, Figure, ScenarioResult, Span
 
 __all__ = ["draw", "plot", "render_markdown", "write_report"]
 
 _SPAN_COLOURS = ("#fde0a0", "#c6e6c3", "#c9d8f0", "#f2c9d8", "#e0d0f0")
+_IDENTICAL_STYLES = (("--", "o"), (":", "s"), ("-.", "^"))
+"""Line style and marker of the 2nd, 3rd, ... of identical curves."""
 
 
 def draw(figure: Figure) -> MplFigure:
     """``figure`` as a matplotlib figure: labelled axes, a legend, events as dashed vertical
-    lines with their label, stretches shaded. The caller closes it (``plt.close``)."""
+    lines with their label, stretches shaded, curves identical to an earlier one visible on top
+    of it. The caller closes it (``plt.close``)."""
     if not figure.curves:
         raise ValueError(f"figure {figure.name!r} has no curves to draw")
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     if figure.kind == "bar":
         _bars(ax, figure)
     else:
-        for curve in figure.curves:
-            ax.plot(curve.x, curve.y, label=curve.label, linewidth=1.4, marker=".")
+        _lines(ax, figure)
     for span in figure.spans:
         ax.axvspan(
             span.start,
@@ -74,6 +76,32 @@ def _span_colour(figure: Figure, label: str) -> str:
 
 def _first_span(figure: Figure, span: Span) -> bool:
     return next(s for s in figure.spans if s.label == span.label) is span
+
+
+def _lines(ax: Any, figure: Figure) -> None:
+    """One line per curve. A curve equal to an earlier one (replicas that agree exactly) would
+    hide it: it is drawn dashed with hollow markers on other points than the earlier one's, and
+    its legend entry says "identical to" the first of them."""
+    groups: dict[tuple[tuple[float, ...], tuple[float, ...]], list[Curve]] = {}
+    for curve in figure.curves:
+        groups.setdefault((tuple(curve.x), tuple(curve.y)), []).append(curve)
+    for curve in figure.curves:
+        same = groups[(tuple(curve.x), tuple(curve.y))]
+        rank = next(i for i, c in enumerate(same) if c is curve)
+        if rank == 0:
+            ax.plot(curve.x, curve.y, label=curve.label, linewidth=1.4, marker=".")
+            continue
+        dash, marker = _IDENTICAL_STYLES[(rank - 1) % len(_IDENTICAL_STYLES)]
+        ax.plot(
+            curve.x,
+            curve.y,
+            label=f"{curve.label} (identical to {same[0].label})",
+            linewidth=1.4,
+            linestyle=dash,
+            marker=marker,
+            fillstyle="none",
+            markevery=(rank, len(same)),
+        )
 
 
 def _bars(ax: Any, figure: Figure) -> None:
