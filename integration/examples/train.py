@@ -13,7 +13,7 @@ config.training.steps = 3
 config.training.seq_len = 64
 config.training.local_batch_size = 2
 config.device = "cpu"  # or "auto" / "cuda" / "npu"
-config.checkpoint.enable = False
+config.checkpoint.enable = False  # the recipe saves every 20 steps
 config.dump_folder = tempfile.mkdtemp(prefix="ttnpu-example-")  # logs and metrics go here
 # torchtitan reads its rank from the environment: torchrun sets it; for one process:
 os.environ.update(
