@@ -215,7 +215,6 @@ class _Piece:
 class Scan:
     """What a checkpoint folder holds: its layout, and every tensor placed in transformers'."""
 
-    directory: Path
     layout: Literal["official", "hf"]
     pieces: dict[str, list[_Piece]] = field(default_factory=dict)  # by target
     unknown: list[str] = field(default_factory=list)
@@ -233,6 +232,8 @@ def scan_checkpoint(directory: str | Path, source: Source = "auto") -> Scan:
     path = Path(directory)
     by_file = _weight_map(path)
     keys = [k for ks in by_file.values() for k in ks]
+    if not keys:
+        raise ValueError(f"{path} holds no tensors")
     layout: Literal["official", "hf"] = (
         "hf" if any(k.startswith(("model.", "lm_head.")) for k in keys) else "official"
     )
@@ -242,7 +243,7 @@ def scan_checkpoint(directory: str | Path, source: Source = "auto") -> Scan:
             f"{path} does not hold {said} DeepSeek-V4 names (it holds "
             f"{'transformers' if layout == 'hf' else 'official'} ones, e.g. {keys[0]!r})"
         )
-    scan = Scan(path, layout)
+    scan = Scan(layout)
     for file, names in by_file.items():
         with safe_open(path / file, framework="pt") as handle:
             for key in names:
