@@ -14,7 +14,7 @@ from ttnpu.ft import EmbeddedLighthouse, Replica, ReplicaConfig
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--replica-id", type=int, default=0)
 parser.add_argument("--lighthouse", help="a running Lighthouse's address (default: start one)")
-parser.add_argument("--steps", type=int, default=10)
+parser.add_argument("--steps", type=int, default=20)
 args = parser.parse_args()
 
 lighthouse = None if args.lighthouse else EmbeddedLighthouse(min_replicas=1)
