@@ -211,6 +211,7 @@ def test_recoverable_failures_discard_the_step_until_the_limit(make_model: Any) 
         ({"collective_timeout": timedelta(0)}, "collective_timeout must be > 0 s"),
         ({"step_timeout": timedelta(0)}, "step_timeout must be > 0 s or None"),
         ({"group_world_size": 2}, "needs store_addr/store_port"),
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb must be > 0"),
     ],
 )
 def test_config_errors_name_the_field(kw: dict[str, Any], message: str) -> None:

@@ -118,10 +118,15 @@ def _arm_round(records: list[dict[str, Any]]) -> dict[str, float]:
         for r in records
         if "timings" in r
     ]
+    parts = {
+        f"{key}_s": statistics.median(r["timings"][key] for r in records)
+        for key in (records[0].get("timings") or {})
+    }
     return {
         "step_s": statistics.median(r["seconds"] for r in records),
         "cpu_s": statistics.median(r["cpu_s"] for r in records),
         "own_fraction": statistics.median(own) if own else 0.0,
+        **parts,
     }
 
 
@@ -226,6 +231,10 @@ def _ratios(args: argparse.Namespace, records: list[dict[str, Any]]) -> dict[str
         figures[f"step_s_{arm}"] = step_s
         figures[f"cpu_s_per_step_{arm}"] = median(r[arm]["cpu_s"] for r in rounds)
     figures["ft_own_calls_fraction_of_step"] = median(r["ft"]["own_fraction"] for r in rounds)
+    figures["ft_step_parts_s"] = {  # quorum start+wait, waits after the backward, vote+commit
+        key: median(r["ft"][key] for r in rounds)
+        for key in ("quorum_s", "allreduce_s", "vote_commit_s")
+    }
     return figures
 
 

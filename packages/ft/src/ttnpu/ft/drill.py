@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         "--hold-at",
         type=int,
         default=None,
-        help="at this step, after backward (before the gradient all-reduce), write "
+        help="at this step, after backward (its gradients reduced, before the vote), write "
         "DIR/holding_<id> and block until killed: a deterministic point for a kill drill (ft mode)",
     )
     p.add_argument("--collective-timeout", type=float, default=5.0)
