@@ -54,6 +54,7 @@ _STACKED = re.compile(r"^(.*\.ffn\.experts)\.(w[123])$")
 _PER_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 _BIAS = re.compile(r"^(.*\.ffn)\.expert_bias$")
 _GATE_BIAS = re.compile(r"^(.*\.ffn)\.gate\.bias$")
+_BLOCK = re.compile(r"^(layers|mtp)\.\d+\.")
 
 logger = logging.getLogger(__name__)
 
@@ -261,22 +262,29 @@ def load_weights(
     source: Source = "auto",
     scan: Scan | None = None,
 ) -> None:
-    """Stream a checkpoint folder's weights into ``model`` through torch.distributed.checkpoint:
-    with FSDP/EP-sharded parameters (DTensors) under an initialised process group, each rank
-    reads only its slices. Every key and shape is checked before anything changes
-    (:class:`CheckpointError`). MTP weights the folder lacks keep their values (a warning says
-    so). ``scan``: the folder's :func:`~ttnpu.dsv4.hf_checkpoint.scan_checkpoint`, if done."""
+    """Stream a checkpoint folder's weights into ``model`` through torch.distributed.checkpoint,
+    one block at a time: tensors are read straight into the model's, except the routed experts'
+    ``w1`` / ``w3``, which go through one block's ``gate_up_proj`` buffer. With FSDP/EP-sharded
+    parameters (DTensors) under an initialised process group, each rank reads only its slices.
+    Every key and shape is checked before anything changes (:class:`CheckpointError`). MTP
+    weights the folder lacks keep their values (a warning says so). ``scan``: the folder's
+    :func:`~ttnpu.dsv4.hf_checkpoint.scan_checkpoint`, if done."""
     state = model.state_dict()
     with torch.device("meta"):
         expected = {k: v.shape for k, v in to_hf(DeepSeekV4(model.config).state_dict()).items()}
     reader = HFCheckpointReader(directory, expected, source=source, scan=scan)
-    hf_state = to_hf(state)
-    if torch.distributed.is_initialized():
-        dcp.load(hf_state, storage_reader=reader)
-    else:
-        with _one_process():
-            dcp.load(hf_state, storage_reader=reader, no_dist=True)
-    with torch.no_grad():
-        for key, value in from_hf(hf_state).items():
-            if value is not state[key]:
-                state[key].copy_(value)
+    blocks: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        block = _BLOCK.match(key)
+        blocks.setdefault(block.group(0) if block else "", {})[key] = value
+    for block_state in blocks.values():
+        hf_state = to_hf(block_state)
+        if torch.distributed.is_initialized():
+            dcp.load(hf_state, storage_reader=reader)
+        else:
+            with _one_process():
+                dcp.load(hf_state, storage_reader=reader, no_dist=True)
+        with torch.no_grad():
+            for key, value in from_hf(hf_state).items():
+                if value is not state[key]:
+                    state[key].copy_(value)
