@@ -34,6 +34,21 @@ def test_clean_products_of_random_shapes_and_scales_are_not_suspect(dtype: torch
         assert r.error <= r.bound
 
 
+def test_same_signed_wide_rows_keep_the_rounding_bias_within_the_bound() -> None:
+    """K = 1 outer products (and K = 2 sums) of same-signed bf16 values: every element's
+    rounding error leans the same way along a row, far beyond √N noise (these were ~20% suspect
+    with a noise-only bound)."""
+    g = torch.Generator().manual_seed(3)
+    for k in (1, 1, 2):
+        a = torch.rand(64, k, generator=g).bfloat16()
+        b = torch.rand(k, 4096, generator=g).bfloat16()
+        r = check_matmul(a, b, a @ b, confirm=False)
+        assert not r.suspect, (k, r)
+    same = torch.full((1, 4096), 1.5).bfloat16()  # one significand: the whole error is bias
+    r = check_matmul(a[:, :1], same, a[:, :1] @ same)
+    assert r.ok and r.verdict in ("clean", "false_alarm")  # at worst a recomputation
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_flip_larger_than_the_row_maximum_is_caught_and_transient(dtype: torch.dtype) -> None:
     width = torch.finfo(dtype).bits
@@ -125,3 +140,19 @@ def test_grouped_mm_layouts_clean_and_corrupted() -> None:
         out.view(-1)[out.numel() // 2 + 3] += 1000.0
         r = check_grouped_mm(a, b, out, offs=o)
         assert (r.ok, r.verdict) == (False, "transient"), name
+
+
+def test_grouped_weight_gradient_with_one_token_experts_checks_every_group() -> None:
+    """K groups of 1 token (outer products), an empty group and tokens past the last group: the
+    vectorised check is clean on a clean result and finds a flip in any group."""
+    bf = torch.bfloat16
+    offs = torch.tensor([1, 2, 2, 40], dtype=torch.int32)
+    x = torch.rand(48, 64, dtype=bf).t()  # (dim, tokens): same-signed, as after an activation
+    dy = torch.rand(48, 512, dtype=bf)
+    out = torch._grouped_mm(x, dy, offs=offs)
+    assert not check_grouped_mm(x, dy, out, offs=offs, confirm=False).suspect
+    for group in (0, 1, 3):
+        bad = out.clone()
+        bad[group, 5, 7] *= 16
+        r = check_grouped_mm(x, dy, bad, offs=offs)
+        assert (r.ok, r.verdict) == (False, "transient"), group

@@ -38,7 +38,7 @@ from .inject import (
 )
 from .npu import enable_native_detection
 from .sites import CheckStats
-from .switch import ChecksumSwitch, checksum_switch
+from .switch import BACKGROUND_SAMPLE_STEPS, ChecksumSwitch, checksum_switch
 
 if TYPE_CHECKING:
     from .compiled import (
@@ -68,6 +68,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BACKGROUND_SAMPLE_STEPS",
     "SIGMAS",
     "Action",
     "BitFlip",

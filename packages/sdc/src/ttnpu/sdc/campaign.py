@@ -6,8 +6,12 @@
   M·K·N capped by ``--max-macs`` to bound the run time) and value scales 1e-3..1e3; one random bit
   of one random output element flipped per trial. ``must_catch`` counts flips that change the
   element by at least the largest magnitude of its row (or make it NaN); all of them must be
-  caught. ``--clean`` further clean products measure false alarms (suspect checksums, and
-  confirmed faults, which must be zero).
+  caught. ``--clean`` further clean products measure false alarms: ``raw_alarm_rate`` is the
+  fraction whose checksum was suspect before recomputation (each one costs a recomputation),
+  ``false_alarms`` the confirmed faults among them, which must be zero. Half of the clean products
+  have same-signed operands (|N(0,1)|, as after an activation or a softmax), whose wide rows keep
+  the output's rounding bias instead of averaging it out; the flipped products are zero-mean,
+  where a change of the row's largest magnitude stands clear of the rounding noise.
 * ``gradient``: a flip in one sampled gradient element of a small model after warm-up; caught when
   the detector reports that parameter at that step. ``must_catch``: flips that lift the statistic
   above the jump threshold (the detector's own rule, so this checks the implementation; most bit
@@ -80,10 +84,14 @@ def _shape(g: torch.Generator, max_dim: int, max_macs: int) -> tuple[int, int, i
             return m, k, n
 
 
-def _operands(g: torch.Generator, max_dim: int, max_macs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _operands(
+    g: torch.Generator, max_dim: int, max_macs: int, same_signed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     m, k, n = _shape(g, max_dim, max_macs)
     a = torch.randn(m, k, generator=g) * _log_uniform(g, 1e-3, 1e3)
     b = torch.randn(k, n, generator=g) * _log_uniform(g, 1e-3, 1e3)
+    if same_signed:
+        a, b = a.abs(), b.abs()
     return a.bfloat16(), b.bfloat16()
 
 
@@ -105,12 +113,14 @@ def matmul_campaign(
             r.verdict in ("transient", "persistent"),
             abs(delta) >= row_max or math.isnan(delta),
         )
-    suspects = confirmed = 0
+    suspects = {"zero_mean": 0, "same_signed": 0}
+    confirmed = 0
     ratios = []
-    for _ in range(clean):
-        a, b = _operands(g, max_dim, max_macs)
+    for i in range(clean):
+        family = "same_signed" if i % 2 else "zero_mean"
+        a, b = _operands(g, max_dim, max_macs, same_signed=i % 2 == 1)
         r = check_matmul(a, b, a @ b)
-        suspects += r.suspect
+        suspects[family] += r.suspect
         confirmed += not r.ok
         ratios.append(r.magnitude)
     return {
@@ -119,7 +129,9 @@ def matmul_campaign(
         "max_macs": max_macs,
         **tally.summary(),
         "clean_products": clean,
-        "clean_suspect": suspects,
+        "clean_suspect": sum(suspects.values()),
+        "clean_suspect_by_operands": suspects,
+        "raw_alarm_rate": sum(suspects.values()) / clean if clean else 0.0,
         "false_alarms": confirmed,
         "clean_worst_error_over_bound": max(ratios, default=0.0),
     }

@@ -43,18 +43,21 @@ __all__ = [
 SIGMAS = 6.0
 """Standard deviations of the rounding noise a checksum may deviate before it is suspect."""
 
-OUTER_BIAS = 1.0
+OUTER_BIAS = 0.5
 """Bound on a row's mean output rounding error, in units of u·|Σ_j c_ij|, when K = 1.
 
 An outer product's element c_ij = a_i·b_j is exact before its one rounding, and its relative
 rounding error depends only on the significands of a_i and b_j: along a row it is a fixed
-function of b_j's significand, not zero-mean noise. Measured exhaustively over bf16 significands
-the mean reaches 0.38 u (for a row whose b_j share one significand it is the whole error, up to
-u), so a wide row of same-signed values drifts far beyond √N rounding noise."""
+function of b_j's significand, not zero-mean noise. Measured exhaustively over bf16 significand
+pairs the mean reaches 0.38 u, so a wide row of same-signed values drifts far beyond √N rounding
+noise. (A row whose b_j all share one significand rounds every element alike, up to u: see
+:data:`SUM_BIAS`.)"""
 
 SUM_BIAS = 0.05
 """The same bound for K >= 2: sums of products rounded once keep a small bias on same-signed data
-(0.02 u·|Σ_j c_ij| measured for K = 2..16 on uniform [0, 1) bf16 operands)."""
+(0.02 u·|Σ_j c_ij| measured for K = 2..16 on uniform [0, 1) bf16 operands). Columns of B that
+repeat exactly make every element of a row round alike (up to u): such products are suspect and
+cost a recomputation, which confirms nothing."""
 
 Verdict = Literal["clean", "transient", "persistent", "false_alarm", "unconfirmed"]
 _SQRT3 = math.sqrt(3.0)
