@@ -183,8 +183,8 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def rehearse(session: nox.Session) -> None:
     """DeepSeek-V4 Flash's training step on 128 ranks, rehearsed on this CPU with fake tensors
-    (``tools/rehearse.py``): 4K tokens with FSDP (about 6 min), 1M tokens on CP 128 (first and
-    last rank; each over 25 min today, the indexer's top-k selection dominating)."""
+    (``tools/rehearse.py``): 4K tokens with FSDP, 1M tokens on CP 128 (first and last rank);
+    3, 6 and 8 minutes of CPU."""
     _sync(session, "--all-packages", "--group", "dev")
     runs = [
         ["--seq-len", "4096", "--cp", "1", "--rank", "0"],

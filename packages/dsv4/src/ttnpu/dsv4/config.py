@@ -70,12 +70,14 @@ class DeepSeekV4Config:
     # memory on any device; "reference" is the dense masked statement (parity tests); "flex"
     # (CUDA) and "npu" (Ascend) use fused kernels.
     attention_backend: AttentionBackend = "chunked"
-    # The chunked backend's budget: at most this many logits (queries x heads x keys) per chunk.
-    attention_chunk_logits: int = 1 << 24
+    # The chunked backend's budget: at most this many logits (queries x heads x keys) per chunk:
+    # 256 MiB of fp32 scores, a few such transients while a chunk is (re)computed; a Flash HCA
+    # layer of a 1M-token CP 128 rank runs 67 chunks (265 at 2^24).
+    attention_chunk_logits: int = 1 << 26
     # The indexer's top-k selection budget: at most this many index scores (queries x index
     # heads x entries) per step. Selected under no_grad and freed at once, so it can be larger
     # than a chunk: fewer, larger steps (a Flash CSA layer of a 1M-token CP 128 rank takes 512
-    # steps instead of 8,192 at the chunk's budget).
+    # steps instead of 8,192 at 2^24).
     index_select_logits: int = 1 << 28
     init_std: float = 0.02
     hc_init_scale: float = 0.01

@@ -64,7 +64,7 @@ class AttentionInputs:
     entries: torch.Tensor | None = None  # [B, N, D] every compressed entry (None: window only)
     ratio: int = 0  # m: entry s is visible to query t iff s < (t + 1) // m
     indexer: IndexerInputs | None = None  # CSA layers
-    chunk_logits: int = 1 << 24  # the chunked backend's budget of logits per chunk
+    chunk_logits: int = 1 << 26  # the chunked backend's budget of logits per chunk
     select_logits: int = 1 << 28  # the indexer's top-k selection budget of scores per step
     # Set: q is still to be normalised per head (RMS, q_eps) and rotated by this table (rows
     # = the slice's positions). The chunked backend does it inside each recomputed chunk, so
