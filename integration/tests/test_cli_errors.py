@@ -47,6 +47,11 @@ HINT = " (every option: ttnpu-train --help-config)"
             "fixed); choose one with --config (see --list-configs)",
         ),
         (["--config", "dsv5"], "unknown --config 'dsv5'; expected one of ['dsv4_debug', "),
+        (
+            ["--config", "dsv4_flash"],  # no tokenizer at torchtitan's default path
+            "--hf_assets_path ./tests/assets/tokenizer: expected an existing folder holding the "
+            "tokenizer",
+        ),
         (["--replicas", "x"], "argument --replicas: invalid int value: 'x'"),
         (
             ["--dump_folder", "{tmp}/a-file/runs"],
@@ -68,8 +73,13 @@ HINT = " (every option: ttnpu-train --help-config)"
     ],
 )
 def test_a_bad_input_exits_2_with_one_line_and_no_run_folder(
-    args: list[str], line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    args: list[str],
+    line: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("")
     runs = tmp_path / "runs"
     argv = [a.format(tmp=tmp_path) for a in args]

@@ -159,6 +159,13 @@ def _plan(
 ) -> tuple[str, list[str], Path | None, dict[str, int]]:
     """(recipe, overrides, run folder to resume or None, replica layout), from the command line
     and, with ``--resume``, the run folder's ``command.json``."""
+    module = next((i for i, a in enumerate(overrides) if re.match(r"--module(=|$)", a)), None)
+    if module is not None:
+        given = " ".join(overrides[module : module + 2])
+        raise UsageError(
+            f"{given}: ttnpu-train trains the recipes of ttnpu.trainer (its --module is fixed); "
+            "choose one with --config (see --list-configs)"
+        )
     if args.replicas < 1 or not 1 <= args.min_replicas <= args.replicas:
         raise UsageError(
             f"--replicas {args.replicas} must be >= 1 and --min-replicas {args.min_replicas} "
@@ -186,13 +193,6 @@ def _plan(
 
 def _run(argv: Sequence[str]) -> int:
     args, overrides = _parser().parse_known_args(argv)
-    module = next((i for i, a in enumerate(overrides) if re.match(r"--module(=|$)", a)), None)
-    if module is not None:
-        given = " ".join(overrides[module : module + 2])
-        raise UsageError(
-            f"{given}: ttnpu-train trains the recipes of ttnpu.trainer (its --module is fixed); "
-            "choose one with --config (see --list-configs)"
-        )
     if not args.torchft_logs:
         os.environ.setdefault("RUST_LOG", "warn")  # read when torchft's native side loads
     from .config_registry import CONFIGS

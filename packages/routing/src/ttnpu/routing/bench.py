@@ -52,7 +52,9 @@ def _device(name: str | None) -> torch.device:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ttnpu.routing.bench", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--device", default=None, help="default: the accelerator if any, else cpu")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--delay-steps", type=int, default=4)
