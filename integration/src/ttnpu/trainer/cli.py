@@ -25,6 +25,7 @@ Exit status: 0 when training finished; 2 for a bad command line, config or check
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -287,15 +288,20 @@ def _config_manager() -> ConfigManager:
 def _parse_config(tyro_args: list[str], recipe: Callable[[], Any]) -> Any:
     """The trainer config from torchtitan's parser; its errors as one-line :class:`UsageError`
     (an unknown option with the closest of ``recipe``'s options)."""
-    from tyro import _errors as tyro_errors  # tyro's parse-error hook (version pinned in uv.lock)
+    kinds: Any
+    try:  # tyro's parse-error hook: a private module (tyro 1.0), so an older tyro may lack it
+        from tyro import _errors as kinds
+    except ImportError:
+        kinds = None
 
-    def one_line(event: tyro_errors.ParseErrorEvent) -> None:
-        message = _describe(event, tyro_errors, recipe)
+    def one_line(event: Any) -> None:
+        message = _describe(event, kinds, recipe)
         if message is not None:  # else tyro's own report (and exit status 2)
             raise UsageError(f"{message} ({_HELP_HINT})")
 
+    hook = kinds.on_parse_error(one_line) if kinds else contextlib.nullcontext()
     try:
-        with tyro_errors.on_parse_error(one_line):
+        with hook:
             return _config_manager().parse_args(tyro_args)
     except ValueError as err:  # check_config
         raise UsageError(str(err)) from None
