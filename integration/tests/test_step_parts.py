@@ -18,6 +18,7 @@ from torchtitan.components.optimizer import (
     default_adamw,
 )
 
+from ttnpu.sdc import ChecksumSwitch
 from ttnpu.trainer import DeepSeekV4LM, SilentDataCorruption, SpikeRecovery, model_spec
 from ttnpu.trainer.launcher import replica_args, wait_at_start_barrier
 from ttnpu.trainer.sdc_guard import SDCGuard
@@ -192,8 +193,11 @@ def test_first_attempts_are_checked_per_setting_and_reruns_always(
 ) -> None:
     config = SilentDataCorruption(checksums=checksums)  # type: ignore[arg-type]
     guard = SDCGuard(config, _mlp(), replica_id=0, events_path=tmp_path / "e.jsonl")
-    assert guard._checking(1) == (checksums == "always")
-    assert guard._checking(2)
+    assert guard._checking(step=1, attempt=1) == (checksums == "always")
+    assert guard._checking(step=1, attempt=2)
+    default_rate = ChecksumSwitch(sample_steps=config.checksum_sample_steps)
+    sampled = next(s for s in range(1, 1000) if default_rate.step_sampled(s))
+    assert guard._checking(step=sampled, attempt=1) == (checksums != "off")
 
 
 def test_replicas_started_together_wait_for_each_other(tmp_path: Path) -> None:
