@@ -158,6 +158,22 @@ def _judge(
     return err.reshape(-1), bound.reshape(-1)
 
 
+def _sum_and_norm(x: Tensor, work: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Row sums and 2-norms of ``x`` in ``work`` precision, straight from ``x`` when its rows are
+    contiguous: an fp32 copy of a product is the largest temporary of a check, and on CPU a fresh
+    one page-faults (3-10x the reductions' own time)."""
+    if x.stride(-1) == 1:
+        return x.sum(-1, dtype=work), torch.linalg.vector_norm(x, dim=-1, dtype=work)
+    x_ = x.to(work)
+    return x_.sum(-1), _norm(x_, -1)
+
+
+def _norm(x: Tensor, dim: int | tuple[int, ...]) -> Tensor:
+    """2-norm over ``dim``: a square and a sum, which are fast over strided dims (transposed
+    operands) where ``linalg.vector_norm`` is ~30x slower on CPU."""
+    return x.square().sum(dim).sqrt()
+
+
 def _row_sums(
     a: Tensor, b: Tensor, out: Tensor, bias: Tensor | None, alpha: float, beta: float
 ) -> _RowSums:
@@ -185,8 +201,7 @@ def _row_sums(
             bias_sum, bias_abs = bias_.sum(-1), bias_.abs().sum(-1)
         expected = expected + beta * bias_sum
         mag = mag + abs(beta) * bias_abs
-    c_ = out.to(work)
-    return _RowSums(expected, mag, c_.sum(-1), _norm(c_, -1), k, n)
+    return _RowSums(expected, mag, *_sum_and_norm(out, work), k, n)
 
 
 def _row_check(
@@ -386,12 +401,6 @@ def _segment_sum(x: Tensor, group: Tensor, groups: int) -> Tensor:
     return x.new_zeros(shape).index_add_(0, group, x)[:groups]
 
 
-def _norm(x: Tensor, dim: int | tuple[int, ...]) -> Tensor:
-    """2-norm over ``dim``: a square and a sum, which are fast over strided dims (transposed
-    operands) where ``linalg.vector_norm`` is ~30x slower on CPU."""
-    return x.square().sum(dim).sqrt()
-
-
 def _grouped_row_sums(
     a: Tensor, b: Tensor, out: Tensor, offs: Tensor, bias: Tensor | None
 ) -> tuple[_RowSums, tuple[int, ...]]:
@@ -399,7 +408,7 @@ def _grouped_row_sums(
     shape: (rows of out) for row groups, (groups, rows) for K groups, (rows, groups) for column
     groups. Rows past the last group end belong to no group and are not judged."""
     work = _work_dtype(out.dtype)
-    a_, b_, c_ = a.to(work), b.to(work), out.to(work)
+    a_, b_ = a.to(work), b.to(work)
     groups = offs.numel()
     if b.dim() == 3:  # groups of rows: the expert forward
         group = _group_of(offs, a.shape[0])
@@ -412,7 +421,7 @@ def _grouped_row_sums(
             bias_ = bias.to(work)
             expected = expected + torch.cat([bias_.sum(-1), pad])[group]
             mag = mag + torch.cat([bias_.abs().sum(-1), pad])[group]
-        c_sum, c_norm = c_.sum(-1), _norm(c_, -1)
+        c_sum, c_norm = _sum_and_norm(out, work)
         expected = torch.where(group < groups, expected, c_sum)
         return _RowSums(expected, mag, c_sum, c_norm, a.shape[-1], b.shape[-1]), c_sum.shape
     if a.dim() == 2:  # groups along K: the expert weight gradient, out (G, M, N)
@@ -427,7 +436,7 @@ def _grouped_row_sums(
             expected = expected + bias_.sum(-1, keepdim=True)
             mag = mag + bias_.abs().sum(-1, keepdim=True)
         k = _segment_sum(a_.new_ones(a.shape[-1]), group, groups)
-        c_sum, c_norm = c_.sum(-1), _norm(c_, -1)
+        c_sum, c_norm = _sum_and_norm(out, work)
         return _RowSums(expected, mag, c_sum, c_norm, k.unsqueeze(-1), b.shape[-1]), c_sum.shape
     group = _group_of(offs, b.shape[-1])  # groups of columns, out (M, N)
     expected = torch.einsum("gmk,gk->mg", a_, _segment_sum(b_.t(), group, groups))
@@ -439,6 +448,7 @@ def _grouped_row_sums(
         bias_ = bias.to(work) * in_group  # (G, N): each group's bias over its own columns
         expected = expected + bias_.sum(-1)
         mag = mag + bias_.abs().sum(-1)
+    c_ = out.to(work)
     c_sum = _segment_sum(c_.t(), group, groups).t()
     c_norm = _segment_sum(c_.t().square(), group, groups).sqrt().t()
     return _RowSums(expected, mag, c_sum, c_norm, a.shape[-1], n), c_sum.shape
