@@ -14,6 +14,7 @@ from ttnpu.ft.lighthouse import EmbeddedLighthouse, LighthouseUnreachable, check
 from ttnpu.ft.moe_balance import expert_counters, sum_expert_counts_across_replicas
 from ttnpu.ft.npu import NpuRuntime
 from ttnpu.ft.recovery import CollectiveTimeout, RecoveryLimitExceeded, StepRecovery
+from ttnpu.ft.reducer import GradientReducer
 from ttnpu.ft.replica import LRScheduler, ReductionCheck, Replica, ReplicaConfig, StepResult
 from ttnpu.ft.snapshot import ReplicaState, RestoreError, Stateful, snapshot_tree
 from ttnpu.ft.training_site import SiteCleanup, StepStateOwner, clean_training_site
@@ -32,6 +33,7 @@ __all__ = [
     "CudaAdapter",
     "DeviceAdapter",
     "EmbeddedLighthouse",
+    "GradientReducer",
     "LRScheduler",
     "LighthouseUnreachable",
     "NpuAdapter",
