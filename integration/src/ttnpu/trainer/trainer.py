@@ -49,6 +49,7 @@ from .sdc_guard import SDCGuard
 from .spikes import Batch, SpikeGuard
 from .steplog import StepLog
 from .stepper import LocalStepper, ReplicaStepper, StepOutcome, Stepper
+from .validation import check_config
 
 __all__ = ["DSV4Trainer", "init_optimizer_state"]
 
@@ -115,8 +116,8 @@ class DSV4Trainer(Trainer):
     _progress_start: tuple[int, float] | None = None
 
     def __init__(self, config: Config) -> None:
-        for section in (config.fault_tolerance, config.sdc, config.spike):
-            section.validate()
+        register_dataset()
+        check_config(config)  # what ttnpu-train checks, for callers from Python too
         if config.parallelism.pipeline_parallel_degree > 1:
             raise ValueError("DSV4Trainer does not support pipeline parallelism")
         # refused here, before the device and the model are set up; parallelize would too
@@ -134,7 +135,6 @@ class DSV4Trainer(Trainer):
             )
         self.platform = activate(detect(config.device))
         _select_attention_backend(config, self.platform.device_type)
-        register_dataset()
         super().__init__(config)
         init_optimizer_state(self.optimizers)
         ft = config.fault_tolerance
