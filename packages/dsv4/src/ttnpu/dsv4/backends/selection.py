@@ -29,7 +29,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
     """Index scores [B, c, n] of queries ``q`` [B, c, IH, ID] (head ``weights`` [B, c, IH]) over
     ``keys`` [B, n, ID] shared by every query."""
     batch, count, heads, _ = q.shape
-    logits = torch.bmm(q.reshape(batch, count * heads, -1), keys.transpose(1, 2)).relu_()
+    logits = torch.bmm(q.reshape(batch, count * heads, -1), keys.transpose(1, 2)).relu()
     return torch.matmul(weights.unsqueeze(-2), logits.view(batch, count, heads, -1)).squeeze(-2)
 
 
