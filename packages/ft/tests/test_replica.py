@@ -144,13 +144,11 @@ def test_two_replicas_veto_sum_moe_counters_and_average_the_loss(
             steps = [res for res, *_ in results]
             assert [s.committed for s in steps] == [True, False, True]
             assert [s.vetoed for s in steps] == [False, True, False]
-            # step 0: torchft's init sync heals one replica, whose step contributes nothing
-            assert [s.participants for s in steps] == [1, 2, 2]
+            assert all(s.participants == 2 for s in steps)
             assert results[-1][3] == [0, 2]  # before_update ran on committed steps only
             for res, local, summed, _ in results:
-                if res.committed:  # every counter became the sum of the contributors' counters
-                    n = res.participants
-                    assert all(torch.equal(s, n * c) for c, s in zip(local, summed, strict=True))
+                if res.committed:  # every counter became the sum of both replicas' counters
+                    assert all(torch.equal(s, 2 * c) for c, s in zip(local, summed, strict=True))
                 else:  # a discarded step leaves no counts behind
                     assert not any(s.any() for s in summed)
         # the averaged output is the same on both replicas: the mean of the two local values

@@ -98,11 +98,10 @@ class StepResult:
 class Replica:
     """A model + optimizer trained as one torchft replica group.
 
-    ``run_step(fn)``: the quorum starts (computed while the forward runs) -> ``fn()``
-    (forward/backward; gradients are averaged across replicas in buckets during the backward) ->
-    MoE token counters summed across replicas -> veto vote -> ``should_commit`` (a heal is applied
-    here, on this thread, before the update: a healing replica's own gradients are zeroed, as
-    torchft does) -> optimizer and LR scheduler step under the recovery lock. A discarded
+    ``run_step(fn)``: quorum (and heal, applied on this thread) -> ``fn()`` (forward/backward;
+    gradients are averaged across replicas in buckets during the backward) -> MoE token counters
+    summed across replicas -> veto vote -> ``should_commit`` -> optimizer and LR scheduler step
+    under the recovery lock. A discarded
     step cleans the training site and the LR scheduler does not move; whether its data is retried
     or skipped is the caller's choice.
     """
@@ -148,7 +147,10 @@ class Replica:
             load_state_dict=self._load_snapshot,
             state_dict=self.state.snapshot,
             min_replica_size=config.min_replica_size,
-            use_async_quorum=True,  # overlapped with the forward; a heal applies at the commit
+            # Synchronous: a replica heals before its forward and its step counts. torchft's
+            # async quorum would overlap the forward but zero a healing replica's gradients and
+            # its share of an averaged loss (at step 0, every replica but one).
+            use_async_quorum=False,
             timeout=config.timeout,
             quorum_timeout=config.quorum_timeout,
             connect_timeout=config.quorum_timeout,
