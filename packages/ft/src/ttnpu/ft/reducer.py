@@ -11,10 +11,10 @@ views then become their ``.grad`` (a gradient that already is that view is not c
 replica world of one member launches nothing and copies nothing.
 
 The buckets are summed, then divided by the replicas that contributed. One more all-reduce
-sums flags: a 1 per contributing replica (torchft zeroes a healing replica's tensors; at step 0
-its init sync counts the healing replicas as participants all the same, so torchft's own average
-would halve the first gradient) and, per parameter, whether it had a gradient: a parameter no
-replica produced a gradient for gets ``grad = None`` back, so the optimizer leaves it alone.
+sums flags: a 1 per contributing replica (torchft zeroes the tensors of a replica that trained
+on stale weights, one healing under an asynchronous quorum, yet its own average counts it) and,
+per parameter, whether it had a gradient: a parameter no replica produced a gradient for gets
+``grad = None`` back, so the optimizer leaves it alone.
 """
 
 from __future__ import annotations
