@@ -360,9 +360,9 @@ class _Model:
         # weights and group offsets.
         rows = t * k
         terms["moe_routed"] += 2 * INT64 * rows + FP32 * rows + 4 * e
-        if self.ep > 1:  # the dispatch's rows: the local experts' input (received); the
-            # combine weights travel with them and are applied inside the experts
-            terms["moe_routed"] += a * rows * dim
+        if self.ep > 1:  # the dispatch's rows: the local experts' input (received), and the
+            # returned rows the combine weights multiply
+            terms["moe_routed"] += 2 * a * rows * dim
 
     # The whole model ---------------------------------------------------------------------------
     def block(

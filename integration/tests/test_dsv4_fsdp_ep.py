@@ -86,6 +86,9 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
     out.write_text(
         json.dumps({"losses": losses, "biases": biases, "experts": experts, "dense": full})
     )
+    # Tear down together: a rank that destroys its group while the other still holds gloo
+    # connections can abort the other at exit (once seen in CI: SIGABRT after both had written).
+    dist.barrier()
     dist.destroy_process_group()
 
 

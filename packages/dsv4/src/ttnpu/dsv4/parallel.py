@@ -8,10 +8,9 @@ data x context ranks divides the summed gradients by the data-parallel size only
 EP: each rank keeps ``E / ep`` consecutive experts, as DTensors sharded on the expert dim over
 the EP mesh (so checkpoints and grad-norm clipping see the whole expert tensors). A MoE layer
 sorts its (token, expert) pairs by expert, exchanges counts, sends the rows to the experts'
-owners with their combine weights (``all_to_all_single`` with autograd), runs its local experts
-through the grouped matmul, the weights applied inside them, and sends the weighted results
-back. FSDP2 shards everything else; EP-sharded expert weights are left out of FSDP and their
-gradients are divided by the EP size so every parameter sees the mean loss.
+owners (``all_to_all_single`` with autograd), runs its local experts through the grouped matmul,
+and sends the results back. FSDP2 shards everything else; EP-sharded expert weights are left out
+of FSDP and their gradients are divided by the EP size so every parameter sees the mean loss.
 
 Both work on a model built on the meta device (only the local experts are allocated); its
 ``init_weights`` after ``to_empty`` gives every rank the shards of the unsharded init.
@@ -89,17 +88,16 @@ class ExpertParallelDispatch:
         token_of = order // indices.shape[1]
         counts = expert_counts(flat, local_experts * self.size)
         received, send_splits, recv_splits = self.exchange_counts(counts, local_experts)
-        inbox = _all_to_all(x[token_of], recv_splits, send_splits, self.group)
-        # The experts weigh their rows themselves (the weights travel with the rows: 4 bytes a
-        # row), so that autograd keeps no [T x top_k, dim] output to differentiate the weights.
-        row_weights = weights.reshape(-1)[order]
-        inbox_weights = _all_to_all(row_weights, recv_splits, send_splits, self.group)
+        rows = x[token_of]
+        inbox = _all_to_all(rows, recv_splits, send_splits, self.group)
         # Rows arrive grouped by (source, expert); the grouped matmul wants (expert, source).
         by_expert = _source_major_to_expert_major(received, sum(recv_splits))
-        out = experts(inbox[by_expert], received.sum(0), weights=inbox_weights[by_expert])
+        out = experts(inbox[by_expert], received.sum(0))
         back = torch.empty_like(out)
         back[by_expert] = out
-        outbox = _all_to_all(back, send_splits, recv_splits, self.group).to(x.dtype)
+        outbox = _all_to_all(back, send_splits, recv_splits, self.group)
+        outbox = outbox * weights.reshape(-1)[order].unsqueeze(-1).to(outbox.dtype)
+        outbox = outbox.to(x.dtype)
         # scatter_add_, not index_add_: autograd keeps index_add_'s source for its backward
         # (a [T x top_k, dim] copy per layer), scatter_add_'s only its index.
         at = token_of.unsqueeze(1).expand_as(outbox)
