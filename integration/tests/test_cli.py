@@ -80,7 +80,7 @@ def test_resume_from_a_named_step_checks_that_step(
 ) -> None:
     run = _run_folder(tmp_path, steps=(2,))
     assert main(["--resume", str(run), "--checkpoint.load_step", "3"]) == 2
-    assert "step-3 is incomplete" in capsys.readouterr().err
+    assert "step-3: incomplete" in capsys.readouterr().err
 
 
 def test_corrupt_command_file_is_a_clear_error(

@@ -21,6 +21,7 @@ from torchtitan.components.optimizer import (
 from ttnpu.sdc import ChecksumSwitch
 from ttnpu.trainer import DeepSeekV4LM, SilentDataCorruption, SpikeRecovery, model_spec
 from ttnpu.trainer.launcher import replica_args, wait_at_start_barrier
+from ttnpu.trainer.run_folder import write_checksums
 from ttnpu.trainer.sdc_guard import SDCGuard
 from ttnpu.trainer.spikes import SpikeGuard, checkpoint_infos
 from ttnpu.trainer.steplog import StepLog, read_step_log
@@ -161,6 +162,7 @@ def test_the_rollback_plan_reads_the_parts_from_dcp_metadata(tmp_path: Path) -> 
              "dataloader.d": torch.ones(1), "train_state.step": 1}  # fmt: skip
     for step in (2, 4):
         dcp.save(parts, checkpoint_id=str(tmp_path / f"step-{step}"))
+        write_checksums(tmp_path / f"step-{step}")  # a rollback target must verify
     dcp.save({"model.w": torch.ones(2)}, checkpoint_id=str(tmp_path / "step-6"))  # model only
     (tmp_path / "step-8").mkdir()  # a save killed midway: no .metadata
     infos = checkpoint_infos(tmp_path)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ttnpu.trainer import newest_checkpoint
+from ttnpu.trainer import newest_verified_checkpoint
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +54,7 @@ def test_ttnpu_train_trains_and_writes_one_run_folder(tmp_path: Path) -> None:
 
     run = _run_folder(tmp_path, output)
     assert run.parent == tmp_path / "runs" and (run / "command.json").is_file()
-    assert newest_checkpoint(run / "checkpoint").name == "step-8"  # also checks its SHA-256s
+    assert newest_verified_checkpoint(run / "checkpoint").path.name == "step-8"  # SHA-256s
     manifests = run.glob("checkpoint/*/ttnpu-sha256.json")
     assert {p.parent.name for p in manifests} == {"step-4", "step-8"}
     events = list((run / "tb").rglob("events.out.tfevents.*"))
@@ -78,7 +78,7 @@ def test_resume_continues_at_the_same_step_data_position_and_loss(tmp_path: Path
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-4), (straight, resumed)
-    assert newest_checkpoint(resumed_run / "checkpoint").name == "step-4"
+    assert newest_verified_checkpoint(resumed_run / "checkpoint").path.name == "step-4"
 
 
 def test_a_config_the_model_rejects_is_a_clear_error_and_leaves_no_run_folder(

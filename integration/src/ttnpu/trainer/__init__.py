@@ -21,7 +21,12 @@ if TYPE_CHECKING:
         SpikeRecovery,
     )
     from .platform import Platform, activate, detect
-    from .run_folder import CheckpointError, newest_checkpoint, verify_checkpoint, write_checksums
+    from .run_folder import (
+        CheckpointError,
+        newest_verified_checkpoint,
+        verify_checkpoint,
+        write_checksums,
+    )
     from .trainer import DSV4Trainer
 
 __version__ = version("ttnpu-trainer")
@@ -43,7 +48,7 @@ _EXPORTS = {
     "detect": ".platform",
     "load_corpus": ".corpus",
     "model_spec": "ttnpu.dsv4.titan",
-    "newest_checkpoint": ".run_folder",
+    "newest_verified_checkpoint": ".run_folder",
     "tokenizer_path": ".corpus",
     "verify_checkpoint": ".run_folder",
     "write_checksums": ".run_folder",
@@ -68,7 +73,7 @@ __all__ = [
     "detect",
     "load_corpus",
     "model_spec",
-    "newest_checkpoint",
+    "newest_verified_checkpoint",
     "tokenizer_path",
     "verify_checkpoint",
     "write_checksums",

@@ -220,14 +220,17 @@ def _run(argv: Sequence[str]) -> int:
             config_name, overrides, resume, layout, Path(config.dump_folder), args, cli_overrides
         )
     if resume is not None:
-        from .run_folder import newest_checkpoint, verify_checkpoint
+        from .run_folder import newest_verified_checkpoint, verify_checkpoint
 
-        # CheckpointError (missing, incomplete or corrupt) before anything is built or changed.
+        # CheckpointError (no checkpoint verifies, or the named one does not) before anything is
+        # built or changed; the checkpointer's load walks again, with every rank agreeing.
         checkpoints = resume / config.checkpoint.folder
+        allow = getattr(config.checkpoint, "allow_unverified", False)
         if config.checkpoint.load_step >= 0:
-            verify_checkpoint(checkpoints / f"step-{config.checkpoint.load_step}")
+            step = checkpoints / f"step-{config.checkpoint.load_step}"
+            verify_checkpoint(step, allow_unverified=allow)
         else:
-            newest_checkpoint(checkpoints)
+            newest_verified_checkpoint(checkpoints, allow_unverified=allow)
         run = resume
     else:
         run = _new_run_folder(Path(config.dump_folder), args.run_name)

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torchtitan.tools.logging import logger
 
 from ttnpu.routing import (
     AnticipatorySchedule,
     CheckpointInfo,
     DetectorConfig,
     LossSpikeDetector,
+    NoRollbackTargetError,
     PeekableIterator,
     RollbackPlan,
     RouterSet,
@@ -31,7 +34,7 @@ from ttnpu.routing import (
 )
 
 from .features import SpikeRecovery
-from .run_folder import step_of
+from .run_folder import step_of, unverified_reason
 
 __all__ = ["ROLLBACK_PARTS", "SpikeGuard", "checkpoint_infos"]
 
@@ -44,13 +47,16 @@ draws no random numbers after initialisation (no dropout), so the replay is exac
 
 def checkpoint_infos(folder: Path) -> list[CheckpointInfo]:
     """Every complete ``step-N`` checkpoint under ``folder``, with the parts its DCP metadata
-    holds (the first component of each key)."""
+    holds (the first component of each key; none when the metadata is unreadable)."""
     infos = []
     for path in sorted(folder.iterdir()) if folder.is_dir() else []:
         step = step_of(path)
         if step is None or not (path / ".metadata").is_file():
             continue
-        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        try:
+            keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception:  # unpickling garbage raises anything: the plan passes it over
+            keys = {}
         parts = frozenset(key.split(".", 1)[0] for key in keys)
         infos.append(CheckpointInfo(step=step, parts=parts, location=str(path)))
     return infos
@@ -97,8 +103,29 @@ class SpikeGuard:
         self.detector.record_optimizer_update()
         return self.detector.observe(step, loss)
 
-    def plan(self, folder: Path, onset: int) -> RollbackPlan:
-        return plan_rollback(checkpoint_infos(folder), onset, required=ROLLBACK_PARTS)
+    def plan(self, folder: Path, onset: int, *, allow_unverified: bool = False) -> RollbackPlan:
+        """The newest checkpoint before ``onset`` that holds every rollback part and verifies
+        (:mod:`~ttnpu.trainer.run_folder`; collective). Every checkpoint passed over is in
+        ``skipped`` with why, and logged; none left raises ``NoRollbackTargetError`` naming all."""
+        infos = checkpoint_infos(folder)
+        unverified: list[tuple[CheckpointInfo, str]] = []
+        while True:
+            try:
+                plan = plan_rollback(infos, onset, required=ROLLBACK_PARTS)
+            except NoRollbackTargetError as err:
+                if not unverified:
+                    raise
+                passed = "; ".join(f"step {i.step} ({i.location}): {why}" for i, why in unverified)
+                raise NoRollbackTargetError(f"{err}; not verified: {passed}") from err
+            target = Path(plan.target.location)
+            if (why := unverified_reason(target, allow_unverified=allow_unverified)) is None:
+                break
+            unverified.append((plan.target, why))
+            infos.remove(plan.target)
+        skipped = sorted([*plan.skipped, *unverified], key=lambda s: s[0].step, reverse=True)
+        for info, why in skipped:
+            logger.warning(f"rollback: checkpoint {info.location} skipped: {why}")
+        return replace(plan, skipped=tuple(skipped))
 
     @staticmethod
     def discard_after(plan: RollbackPlan) -> list[Path]:
