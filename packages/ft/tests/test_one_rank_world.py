@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ttnpu.ft import ReplicaState, RestoreError, clean_training_site
+from ttnpu.ft import ReplicaState, RestoreError, clean_training_site, weights_fingerprint
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,13 @@ def test_dtensor_roundtrip_keeps_placement_and_values(mesh: object) -> None:
         assert torch.equal(a.to_local(), b.to_local())
     moments = target.optimizer.state[target.model.weight]["exp_avg"]
     assert isinstance(moments, DTensor) and moments.placements == (Shard(0),)
+
+
+def test_a_dtensor_is_fingerprinted_by_its_local_shard(mesh: object) -> None:
+    params = list(sharded_state(mesh, 0, steps=1).model.parameters())
+    assert all(isinstance(p, DTensor) for p in params)
+    local = [p.to_local() for p in params]  # type: ignore[attr-defined]
+    assert torch.equal(weights_fingerprint(params), weights_fingerprint(local))
 
 
 def test_dtensor_placement_mismatch_is_refused(mesh: object) -> None:

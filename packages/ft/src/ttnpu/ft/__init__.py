@@ -3,12 +3,14 @@
 torchft provides the Lighthouse, the Manager (quorum, heal, commit), transports and process groups;
 this package adds what they lack: an HCCL process group, in-process step recovery with per-device
 adapters, a validated state carry-over for a rejoining replica, a cross-replica commit veto,
-replica-consistent MoE counters and an embedded Lighthouse.
+replica-consistent MoE counters, split-brain detection (weights fingerprints compared at a quorum)
+and an embedded Lighthouse.
 """
 
 from importlib.metadata import version
 
 from ttnpu.ft.devices import CpuAdapter, CudaAdapter, DeviceAdapter, NpuAdapter, select_adapter
+from ttnpu.ft.fingerprint import SplitBrainCheck, SplitBrainError, weights_fingerprint
 from ttnpu.ft.hccl import ProcessGroupHCCL
 from ttnpu.ft.lighthouse import EmbeddedLighthouse, LighthouseUnreachable, check_lighthouse
 from ttnpu.ft.moe_balance import expert_counters, sum_expert_counts_across_replicas
@@ -47,6 +49,8 @@ __all__ = [
     "RestoreError",
     "SiteCleanup",
     "SocketTransport",
+    "SplitBrainCheck",
+    "SplitBrainError",
     "Stateful",
     "StepRecovery",
     "StepResult",
@@ -59,4 +63,5 @@ __all__ = [
     "select_adapter",
     "snapshot_tree",
     "sum_expert_counts_across_replicas",
+    "weights_fingerprint",
 ]

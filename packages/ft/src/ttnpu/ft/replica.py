@@ -21,6 +21,7 @@ from torchft import Manager
 from torchft.checkpointing.transport import CheckpointTransport
 
 from ttnpu.ft.devices import DeviceAdapter, select_adapter
+from ttnpu.ft.fingerprint import SplitBrainCheck
 from ttnpu.ft.moe_balance import sum_expert_counts_across_replicas
 from ttnpu.ft.recovery import StepRecovery
 from ttnpu.ft.reducer import GradientReducer, ReductionCheck
@@ -58,6 +59,9 @@ class ReplicaConfig:
     store_addr: str | None = None  # the group's TCPStore; None with one rank: started here
     store_port: int | None = None
     bucket_cap_mb: float = 4.0  # gradients at least this large are reduced alone, in place
+    # Weights are compared across replicas when the quorum's membership changes (split brain,
+    # see ttnpu.ft.fingerprint) and, when > 0, also every this many steps (two reads of them).
+    fingerprint_every: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -71,6 +75,7 @@ class ReplicaConfig:
             ),
             ("max_consecutive_recoveries", self.max_consecutive_recoveries >= 0, ">= 0"),
             ("bucket_cap_mb", self.bucket_cap_mb > 0, "> 0"),
+            ("fingerprint_every", self.fingerprint_every >= 0, ">= 0"),
         ]
         for name in ("collective_timeout", "timeout", "quorum_timeout", "recovery_timeout"):
             checks.append((name, getattr(self, name).total_seconds() > 0, "> 0 s"))
@@ -98,7 +103,9 @@ class StepResult:
 class Replica:
     """A model + optimizer trained as one torchft replica group.
 
-    ``run_step(fn)``: quorum (and heal, applied on this thread) -> ``fn()`` (forward/backward;
+    ``run_step(fn)``: quorum (and heal, applied on this thread) -> weights fingerprint compared
+    across replicas when the membership changed (``SplitBrainError`` on a minority whose weights
+    differ at the same step; see :mod:`ttnpu.ft.fingerprint`) -> ``fn()`` (forward/backward;
     gradients are averaged across replicas in buckets during the backward) -> MoE token counters
     summed across replicas -> veto vote -> ``should_commit`` -> optimizer and LR scheduler step
     under the recovery lock. A discarded
@@ -172,6 +179,25 @@ class Replica:
             on_corrupt=self.veto.raise_flag,
             finish_guard=lambda finish: self.recovery.guard("allreduce_gradients", finish),
         )
+        group_store = None
+        if config.group_world_size > 1:
+            group_store = TCPStore(
+                store_addr,
+                store_port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=config.quorum_timeout,
+            )
+        self.split_brain = SplitBrainCheck(
+            self.manager,
+            list(model.parameters()),
+            config.replica_id,
+            self.adapter.device,
+            every_steps=config.fingerprint_every,
+            group_rank=config.group_rank,
+            group_world_size=config.group_world_size,
+            store=group_store,
+        )
         self._closed = False
 
     def _load_snapshot(self, snapshot: Any) -> None:
@@ -237,6 +263,7 @@ class Replica:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         self.recovery.begin_step()
+        heals = self.heals
         self.manager.start_quorum()
         self.optimizer.zero_grad(set_to_none=True)
         self.reducer.begin_step()
@@ -245,6 +272,9 @@ class Replica:
         step_timeout = self.config.step_timeout
         try:
             try:
+                t1 = time.perf_counter()
+                self.split_brain.run(self.heals != heals, self.recovery.guard)
+                timings["fingerprint"] = time.perf_counter() - t1  # ~0 unless compared
                 if step_timeout is None:  # no step timer: only the collectives are watched
                     output = fn()
                 else:
