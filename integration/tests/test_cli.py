@@ -147,3 +147,29 @@ def test_replicas_under_torchrun_are_refused(
     assert main(["--replicas", "2", "--dump_folder", str(tmp_path)]) == 2
     assert "under torchrun use --fault_tolerance.enable" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [("persistent", 3), ("split brain", 4)],
+)
+def test_a_replica_taken_out_exits_with_its_status_and_one_line(
+    error: str, status: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ttnpu.ft import SplitBrainError
+    from ttnpu.trainer import PersistentSDCError
+    from ttnpu.trainer.cli import _train
+
+    class Trainer:
+        closed = False
+
+        def train(self) -> None:
+            raise (PersistentSDCError if error == "persistent" else SplitBrainError)(error)
+
+        def close(self) -> None:
+            self.closed = True
+
+    trainer = Trainer()
+    assert _train(trainer) == status and trainer.closed
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"ttnpu-train: {error}")

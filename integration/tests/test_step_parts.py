@@ -89,7 +89,8 @@ def _step(model: torch.nn.Module, guard: SDCGuard, step: int, attempt: int) -> l
         loss = model(x).square().mean()
         loss.backward()
     model.zero_grad()
-    return list(guard.after_backward(attempt, loss.detach()))
+    guard.after_backward(attempt, loss.detach())
+    return list(guard.take_events())
 
 
 def test_the_sdc_guard_catches_an_injected_flip_only_where_and_when_planned(tmp_path: Path) -> None:
@@ -139,8 +140,12 @@ def test_a_non_finite_loss_is_an_event(tmp_path: Path) -> None:
     guard = SDCGuard(
         SilentDataCorruption(gradient=False), _mlp(), replica_id=0, events_path=tmp_path / "e.jsonl"
     )
-    [event] = guard.after_backward(1, torch.tensor(float("nan")))
+    vetoes: list[str] = []
+    guard.veto_through(vetoes.append)
+    guard.after_backward(1, torch.tensor(float("nan")))
+    [event] = guard.take_events()
     assert event.where == "loss" and not SDCGuard.corrupted([event])
+    assert vetoes == ["SDC on replica 0: gradient at loss"]  # vetoed as it was reported
 
 
 def test_the_planned_spike_corrupts_the_weights_once(tmp_path: Path) -> None:

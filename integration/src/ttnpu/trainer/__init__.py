@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .corpus import DATASET_NAME, corpus_path, load_corpus, tokenizer_path
     from .features import (
         EXIT_PERSISTENT_SDC,
+        EXIT_SPLIT_BRAIN,
         FaultTolerance,
         PersistentSDCError,
         SilentDataCorruption,
@@ -38,6 +39,7 @@ _EXPORTS = {
     "DSV4Trainer": ".trainer",
     "DeepSeekV4LM": "ttnpu.dsv4.titan",
     "EXIT_PERSISTENT_SDC": ".features",
+    "EXIT_SPLIT_BRAIN": ".features",
     "FaultTolerance": ".features",
     "PersistentSDCError": ".features",
     "Platform": ".platform",
@@ -58,6 +60,7 @@ __all__ = [
     "CONFIGS",
     "DATASET_NAME",
     "EXIT_PERSISTENT_SDC",
+    "EXIT_SPLIT_BRAIN",
     "CheckpointError",
     "ChecksummedCheckpointManager",
     "DSV4Trainer",

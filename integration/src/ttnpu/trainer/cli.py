@@ -19,7 +19,8 @@ Under fault tolerance each log line carries its replica id; torchft's own logs (
 loggers and its Rust ``RUST_LOG``) stay at WARNING unless ``--torchft-logs``.
 
 Exit status: 0 when training finished; 2 for a bad command line, config or checkpoint;
-3 (``EXIT_PERSISTENT_SDC``) for a replica taken out by a persistent silent data corruption.
+3 (``EXIT_PERSISTENT_SDC``) for a replica taken out by a persistent silent data corruption;
+4 (``EXIT_SPLIT_BRAIN``) for a replica group whose weights differ from the majority's.
 """
 
 from __future__ import annotations
@@ -258,13 +259,18 @@ def _run(argv: Sequence[str]) -> int:
 
 
 def _train(trainer: Any) -> int:
-    from .features import EXIT_PERSISTENT_SDC, PersistentSDCError
+    from ttnpu.ft import SplitBrainError
+
+    from .features import EXIT_PERSISTENT_SDC, EXIT_SPLIT_BRAIN, PersistentSDCError
 
     try:
         trainer.train()
     except PersistentSDCError as err:
         print(f"ttnpu-train: {err}; this replica leaves the job", file=sys.stderr)
         return EXIT_PERSISTENT_SDC
+    except SplitBrainError as err:
+        print(f"ttnpu-train: {err}", file=sys.stderr)
+        return EXIT_SPLIT_BRAIN
     finally:
         trainer.close()
         import torch.distributed as dist

@@ -15,6 +15,7 @@ import tyro
 
 __all__ = [
     "EXIT_PERSISTENT_SDC",
+    "EXIT_SPLIT_BRAIN",
     "FaultTolerance",
     "PersistentSDCError",
     "SilentDataCorruption",
@@ -24,6 +25,12 @@ __all__ = [
 EXIT_PERSISTENT_SDC = 3
 """Exit status of a replica taken out for a persistent silent data corruption: a step re-run on it
 was corrupted again (the hardware, not a transient upset). The other replicas go on without it."""
+
+
+EXIT_SPLIT_BRAIN = 4
+"""Exit status of a replica group whose weights differ from the majority's at the same step
+(split brain: groups that trained apart, see ``ttnpu.ft.SplitBrainError``). Restarted, it is
+behind the others and heals from them."""
 
 
 class PersistentSDCError(RuntimeError):
@@ -64,6 +71,11 @@ class FaultTolerance:
     max_attempts: int = 8
     """A step that is discarded this many times in a row stops the run with an error."""
 
+    fingerprint_every_steps: int = 0
+    """Compare the replicas' weights (an exact fingerprint, two reads of the weights) every this
+    many steps too; they are always compared when the quorum's membership changes, which is when
+    groups that trained apart meet again. 0: only then."""
+
     start_barrier: str = ""
     """A folder where replica groups started together wait for each other before their first
     quorum (``--replicas N`` sets it); empty: no waiting (a replica that joins a running job)."""
@@ -98,6 +110,11 @@ class FaultTolerance:
             raise ValueError(
                 f"fault_tolerance.step_timeout_seconds must be >= 0, got "
                 f"{self.step_timeout_seconds}"
+            )
+        if self.fingerprint_every_steps < 0:
+            raise ValueError(
+                f"fault_tolerance.fingerprint_every_steps must be >= 0, got "
+                f"{self.fingerprint_every_steps}"
             )
         if self.max_attempts < 2:
             raise ValueError(f"fault_tolerance.max_attempts must be >= 2, got {self.max_attempts}")

@@ -14,7 +14,7 @@ replica leaves the job (:data:`~ttnpu.trainer.features.EXIT_PERSISTENT_SDC`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -80,6 +80,16 @@ class SDCGuard:
         self._step, self._attempt = 0, 0
         self._reduction_hit = (0, 0)  # the attempt whose all-reduce was corrupted
 
+    def veto_through(self, raise_flag: Callable[[str], None]) -> None:
+        """Every detection from now on also asks ``raise_flag`` (the stepper's cross-replica
+        veto) to discard the step, as it is reported: no detection waits in a queue for the
+        trainer to forward it."""
+
+        def veto(event: SDCEvent) -> None:
+            raise_flag(f"SDC on replica {self.replica_id}: {event.kind} at {event.where}")
+
+        self.reporter.actions.append(veto)
+
     def reduction_check(self, max_world: int) -> ReductionChecksums:
         """The check of the cross-replica gradient all-reduce, bucket by bucket (ttnpu-ft's
         ``ReductionCheck``), reporting here and carrying the planned all-reduce fault (into the
@@ -129,9 +139,9 @@ class SDCGuard:
             if plan is not None:
                 self.injected += plan.fired
 
-    def after_backward(self, attempt: int, loss: torch.Tensor) -> list[SDCEvent]:
+    def after_backward(self, attempt: int, loss: torch.Tensor) -> None:
         """Judge the attempt's gradients (first attempts only: a re-run is judged by its
-        checksums) and loss; returns every event of the attempt."""
+        checksums) and loss."""
         if not torch.isfinite(loss).all():
             self.reporter.report(
                 "gradient", "loss", magnitude=float("inf"), confirmed=False,
@@ -139,10 +149,11 @@ class SDCGuard:
             )  # fmt: skip
         elif attempt == 1 and self.detector is not None:
             self.detector.check()
-        return self.take_events()
 
     def take_events(self) -> list[SDCEvent]:
-        """Events reported since the last call (the all-reduce check reports after backward)."""
+        """The events reported since the last call: the record of one attempt (its matmul
+        checks, gradient statistics and the all-reduce check, which reports after the
+        backward)."""
         return self.flag.take()
 
     @staticmethod

@@ -147,6 +147,7 @@ class ReplicaStepper:
                 group_world_size=world,
                 store_addr=os.environ.get("MASTER_ADDR") if world > 1 else None,
                 store_port=int(os.environ["MASTER_PORT"]) if world > 1 else None,
+                fingerprint_every=config.fingerprint_every_steps,
             ),
             model,
             optimizers,

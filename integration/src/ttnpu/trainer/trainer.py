@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,7 +35,6 @@ from torchtitan.trainer import Trainer
 
 from ttnpu.dsv4.ac_compile import check_options
 from ttnpu.routing import AnticipatorySchedule, DataExhaustedError, Phase, TrainingStep
-from ttnpu.sdc import SDCEvent
 
 from .corpus import register_dataset
 from .features import (
@@ -48,10 +48,39 @@ from .platform import Platform, activate, detect
 from .sdc_guard import SDCGuard
 from .spikes import Batch, SpikeGuard
 from .steplog import StepLog
-from .stepper import LocalStepper, ReplicaStepper, StepOutcome, Stepper
+from .stepper import LocalStepper, ReplicaStepper, Stepper
 from .validation import check_config
 
-__all__ = ["DSV4Trainer", "init_optimizer_state"]
+__all__ = ["Attempt", "CommittedStep", "DSV4Trainer", "init_optimizer_state"]
+
+
+@dataclass
+class Attempt:
+    """One try at a step, filled in as it runs: the tokens seen when it began (torchtitan
+    counts them in ``post_dataloading_process``; a discarded attempt gives them back), and the
+    clipped gradient norm and learning rate of its update."""
+
+    number: int
+    tokens_before: int | None = None
+    grad_norm: torch.Tensor = field(default_factory=lambda: torch.tensor(0.0))
+    lr: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CommittedStep:
+    """What a committed optimizer step returns: its replica-averaged loss, the clipped gradient
+    norm and learning rate of the update, the tokens it trained on, how many attempts it took,
+    the routing phase it trained in and torchft's share of it."""
+
+    step: int
+    phase: Phase
+    loss: float
+    grad_norm: float
+    lr: dict[str, float]
+    tokens: int
+    attempts: int
+    participants: int
+    timings: dict[str, float]
 
 
 def init_optimizer_state(optimizers: OptimizersContainer) -> None:
@@ -71,6 +100,23 @@ def init_optimizer_state(optimizers: OptimizersContainer) -> None:
                 step.zero_()
             elif step is not None:
                 state["step"] = 0
+
+
+def _rng_states(device_type: str) -> dict[str, torch.Tensor]:
+    """The default generators' states: the CPU's and the accelerator's (torch.cuda / torch.npu,
+    the same call on both)."""
+    states = {"cpu": torch.get_rng_state()}
+    if device_type != "cpu":
+        states[device_type] = torch.get_device_module(device_type).get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, torch.Tensor]) -> None:
+    for device_type, state in states.items():
+        if device_type == "cpu":
+            torch.set_rng_state(state.cpu())
+        else:
+            torch.get_device_module(device_type).set_rng_state(state.cpu())
 
 
 def _select_attention_backend(config: DSV4Trainer.Config, device_type: str) -> None:
@@ -172,15 +218,31 @@ class DSV4Trainer(Trainer):
             if ft.enable
             else LocalStepper(model, self.optimizers, self.lr_schedulers)
         )
+        if self.sdc is not None:
+            self.sdc.veto_through(self.stepper.raise_flag)
         if ft.enable and ft.start_barrier:
             wait_at_start_barrier(
                 Path(ft.start_barrier), ft.replica_id, ft.replicas, ft.quorum_timeout_seconds
             )
-        self._grad_norm = torch.tensor(0.0)
-        self._lr_metrics: dict[str, float] = {}
-        self._tokens_before: int | None = None  # tokens seen when the attempt began
-        self._attempt_events: list[SDCEvent] = []
-        self.attempts = 0  # attempts of the step in progress
+
+    # -- the training state ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The training state beside the model, optimizer, LR schedule and data position, the one
+        thing checkpoints, resumes, heals and rollbacks all restore (torchtitan registers the
+        trainer as the checkpoint's ``train_state``; ttnpu-ft sends it in a heal): torchtitan's
+        step and tokens seen, the loss-spike detector (so a replica that healed judges the next
+        loss as the others do and rolls back with them) and the RNG states (so torchtitan's
+        ``--debug.seed`` holds across them)."""
+        return {
+            **super().state_dict(),
+            "spike_detector": self.spikes.detector.state_dict(),
+            "rng": _rng_states(self.platform.device_type),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.spikes.detector.load_state_dict(state_dict["spike_detector"])
+        _set_rng_states(state_dict["rng"])
+        super().load_state_dict(state_dict)
 
     def _shard_data_over_replicas(self, ft: FaultTolerance) -> None:
         """One data shard per replica group (and per data-parallel rank inside it)."""
@@ -206,11 +268,12 @@ class DSV4Trainer(Trainer):
             input_dict["input"].to(self.device), labels=labels.to(self.device)
         )
 
-    def _forward_backward(self, planned: TrainingStep[Batch], attempt: int) -> torch.Tensor:
+    def _forward_backward(self, planned: TrainingStep[Batch], attempt: Attempt) -> torch.Tensor:
         """Every micro-batch of the step (under route replay and the SDC checks); returns the
-        step's mean loss over this replica's valid tokens."""
+        step's mean loss over this replica's valid tokens. A detection vetoes the step on every
+        replica as it is reported (``SDCGuard.veto_through``)."""
         step = self.step + 1  # after the quorum: a heal has set self.step
-        self._tokens_before = self.ntokens_seen  # (a heal has set that too)
+        attempt.tokens_before = self.ntokens_seen  # (a heal has set that too)
         self.spikes.maybe_inject(step)
         valid = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in planned.microbatches)
         global_valid = torch.tensor(valid, device=self.device)
@@ -219,7 +282,7 @@ class DSV4Trainer(Trainer):
                 global_valid, self.parallel_dims.get_mesh("batch")
             )
         loss = torch.zeros((), device=self.device)
-        watch = self.sdc.watch(step, attempt) if self.sdc is not None else nullcontext()
+        watch = self.sdc.watch(step, attempt.number) if self.sdc is not None else nullcontext()
         with watch:
             last = len(planned.microbatches) - 1
             for i, (input_dict, labels) in enumerate(planned.microbatches):
@@ -237,17 +300,15 @@ class DSV4Trainer(Trainer):
                 dist_utils.dist_sum(loss, self.parallel_dims.get_optional_mesh("loss")),
                 device=self.device,
             )
-        if self.sdc is not None and (events := self.sdc.after_backward(attempt, loss)):
-            self._attempt_events = events
-            where = ", ".join(sorted({f"{e.kind} at {e.where}" for e in events}))
-            self.stepper.raise_flag(f"SDC on replica {self.replica_id}: {where}")
+        if self.sdc is not None:
+            self.sdc.after_backward(attempt.number, loss)
         return loss
 
-    def _before_update(self) -> None:
+    def _before_update(self, attempt: Attempt) -> None:
         """On the committed, replica-averaged gradients: clip, as torchtitan does; note the
         learning rate this update uses (after any heal)."""
-        self._lr_metrics = self.lr_schedulers.get_metrics()
-        self._grad_norm = dist_utils.clip_grad_norm_(
+        attempt.lr = self.lr_schedulers.get_metrics()
+        attempt.grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.config.training.max_norm,
             foreach=True,
@@ -256,63 +317,66 @@ class DSV4Trainer(Trainer):
         )
         self.checkpointer.maybe_wait_for_staging()
 
-    def _commit(self, planned: TrainingStep[Batch]) -> StepOutcome:
+    def _commit(self, planned: TrainingStep[Batch]) -> CommittedStep:
         """Run the step until it commits: a discarded attempt (veto, lost peer) changes nothing
         and is re-run on the same batches; a re-run corrupted again ends this replica."""
         limit = self.config.fault_tolerance.max_attempts
         heals = self.stepper.heals
-        for attempt in range(1, limit + 1):
-            self.attempts = attempt
-            self._attempt_events = []
-            self._tokens_before = None
-
-            def forward_backward(attempt: int = attempt) -> torch.Tensor:
-                return self._forward_backward(planned, attempt)
-
-            outcome = self.stepper.run(forward_backward, self._before_update)
-            if self.sdc is not None:  # what the all-reduce check found after the backward
-                self._attempt_events += self.sdc.take_events()
+        for number in range(1, limit + 1):
+            attempt = Attempt(number)
+            outcome = self.stepper.run(
+                partial(self._forward_backward, planned, attempt),
+                partial(self._before_update, attempt),
+            )
+            events = self.sdc.take_events() if self.sdc is not None else []
             if self.stepper.heals > heals:
                 heals = self.stepper.heals
-                moved = {}
-                if isinstance(self.stepper, ReplicaStepper):
-                    replica = self.stepper.replica
-                    moved = {
-                        "bytes": replica.last_heal_bytes,
-                        "restore_seconds": replica.last_heal_seconds,
-                    }
-                self.step_log.write(event="heal", step=self.step, replica=self.replica_id, **moved)
+                self._log_heal()
+            if attempt.tokens_before is None:  # discarded before its forward (quorum failed)
+                tokens = 0
+            else:
+                tokens = self.ntokens_seen - attempt.tokens_before
             if outcome.committed:
-                assert self._tokens_before is not None
-                self.metrics_processor.ntokens_since_last_log += (
-                    self.ntokens_seen - self._tokens_before
-                )
-                return outcome
-            if self._tokens_before is not None:  # the attempt's tokens were not trained on
-                self.ntokens_seen = self._tokens_before
-            events = self._attempt_events
+                self.metrics_processor.ntokens_since_last_log += tokens
+                assert outcome.loss is not None
+                return CommittedStep(
+                    step=self.step + 1, phase=planned.phase, loss=float(outcome.loss),
+                    grad_norm=float(attempt.grad_norm), lr=attempt.lr, tokens=tokens,
+                    attempts=number, participants=outcome.participants,
+                    timings=outcome.timings,
+                )  # fmt: skip
+            self.ntokens_seen -= tokens  # the attempt's tokens were not trained on
             self.step_log.write(
-                event="discarded", step=self.step + 1, attempt=attempt,
+                event="discarded", step=self.step + 1, attempt=number,
                 vetoed=outcome.vetoed, recovered=outcome.recovered, sdc_events=len(events),
                 replica=self.replica_id,
             )  # fmt: skip
-            if attempt > 1 and SDCGuard.corrupted(events):
+            if number > 1 and SDCGuard.corrupted(events):
                 raise PersistentSDCError(
                     f"replica {self.replica_id}: step {self.step + 1} was corrupted again when "
-                    f"re-run (attempt {attempt}); the fault is persistent"
+                    f"re-run (attempt {number}); the fault is persistent"
                 )
         raise RuntimeError(
             f"step {self.step + 1} was discarded {limit} times in a row "
             f"(fault_tolerance.max_attempts); giving up"
         )
 
+    def _log_heal(self) -> None:
+        moved = {}
+        if isinstance(self.stepper, ReplicaStepper):
+            replica = self.stepper.replica
+            moved = {"bytes": replica.last_heal_bytes, "restore_seconds": replica.last_heal_seconds}
+        self.step_log.write(event="heal", step=self.step, replica=self.replica_id, **moved)
+
     def _roll_back(self, onset: int) -> AnticipatorySchedule[Batch]:
         """Restore the newest checkpoint before ``onset`` and start anticipatory routing."""
         folder = Path(self.checkpointer.folder)
-        plan = self.spikes.plan(folder, onset)
+        allow = getattr(self.config.checkpoint, "allow_unverified", False)
+        plan = self.spikes.plan(folder, onset, allow_unverified=allow)
         spiked_at = self.step
         self.checkpointer.load(step=plan.target.step)
         self.stepper.set_step(self.step)
+        self.step_log.supersede_after(self.step)
         discarded = self.spikes.discard_after(plan)
         self.spikes.detector.reset()
         schedule = self.spikes.schedule(self.dataloader, self.step)
@@ -328,9 +392,9 @@ class DSV4Trainer(Trainer):
         )  # fmt: skip
         return schedule
 
-    def commit_step(self, schedule: AnticipatorySchedule[Batch]) -> tuple[Phase, StepOutcome]:
-        """One committed optimizer step on the next batches of ``schedule``; returns the routing
-        phase it trained in and its outcome. Raises ``DataExhaustedError`` when the data ends."""
+    def commit_step(self, schedule: AnticipatorySchedule[Batch]) -> CommittedStep:
+        """One committed optimizer step on the next batches of ``schedule``. Raises
+        ``DataExhaustedError`` when the data ends."""
         loaded = time.perf_counter()
         if schedule.phase is Phase.WARMUP:  # capture the routes of the next Δt steps
             schedule.warm_up()
@@ -338,12 +402,12 @@ class DSV4Trainer(Trainer):
         planned = schedule.next_step()
         self.metrics_processor.data_loading_times.append(time.perf_counter() - loaded)
         own_step, heals = self.step, self.stepper.heals
-        outcome = self._commit(planned)
+        done = self._commit(planned)
         schedule.finish_step()
         self.step += 1
         if schedule.phase is Phase.NORMAL and self.stepper.heals > heals:
             self._catch_up_data(schedule, self.step - 1 - own_step)
-        return planned.phase, outcome
+        return done
 
     def _catch_up_data(self, schedule: AnticipatorySchedule[Batch], steps: int) -> None:
         """After a heal moved this replica from its own step to a live one's, move its data shard
@@ -371,7 +435,10 @@ class DSV4Trainer(Trainer):
         self.stepper.set_step(self.step)
         loaded_step = self.step
         logger.info(f"Training starts at step {self.step + 1}")
-        self.step_log.write(event="start", step=self.step, replica=self.replica_id)
+        superseded = self.step_log.supersede_after(self.step)
+        self.step_log.write(
+            event="start", step=self.step, replica=self.replica_id, superseded=superseded
+        )
         schedule = self.spikes.schedule(self.dataloader, self.step)
         with config.profiler.build(
             global_step=self.step, base_folder=config.dump_folder
@@ -379,14 +446,12 @@ class DSV4Trainer(Trainer):
             while self.step < config.training.steps:
                 self.gc_handler.run(self.step + 1)
                 try:
-                    phase, outcome = self.commit_step(schedule)
+                    done = self.commit_step(schedule)
                 except DataExhaustedError:
                     logger.warning("Ran out of data; stopping.")
                     break
-                assert outcome.loss is not None
-                loss = float(outcome.loss)
-                self._record(outcome, loss, phase, self._lr_metrics)
-                onset = self.spikes.observe(self.step, loss)
+                self._record(done)
+                onset = self.spikes.observe(self.step, done.loss)
                 if onset is not None:
                     schedule = self._roll_back(onset)
                     continue
@@ -408,19 +473,16 @@ class DSV4Trainer(Trainer):
                     )
         logger.info("Training completed")
 
-    def _record(
-        self, outcome: StepOutcome, loss: float, phase: Phase, lr: dict[str, float]
-    ) -> None:
-        """The committed step (and the routing phase it trained in) in ``steps.jsonl``,
-        torchtitan's metrics and the progress line."""
+    def _record(self, done: CommittedStep) -> None:
+        """The committed step in ``steps.jsonl``, torchtitan's metrics and the progress line."""
+        loss, grad_norm = done.loss, done.grad_norm
         if not math.isfinite(loss):
-            raise RuntimeError(f"loss is not finite ({loss}) at committed step {self.step}")
-        grad_norm = float(self._grad_norm)
-        ft = {"ft_seconds": outcome.timings} if outcome.timings else {}
+            raise RuntimeError(f"loss is not finite ({loss}) at committed step {done.step}")
+        ft = {"ft_seconds": done.timings} if done.timings else {}
         self.step_log.write(
-            step=self.step, loss=loss, grad_norm=grad_norm, phase=phase.value,
-            attempts=self.attempts, participants=outcome.participants,
-            replica=self.replica_id, **lr, **ft,
+            step=done.step, loss=loss, grad_norm=grad_norm, phase=done.phase.value,
+            attempts=done.attempts, participants=done.participants,
+            replica=self.replica_id, **done.lr, **ft,
         )  # fmt: skip
         if self._progress_start is None:
             self._progress_start = (self.step - 1, time.monotonic())
@@ -428,9 +490,9 @@ class DSV4Trainer(Trainer):
             return
         extra = {
             "n_tokens_seen": self.ntokens_seen,
-            "ft/participants": outcome.participants,
-            "step/attempts": self.attempts,
-            **lr,
+            "ft/participants": done.participants,
+            "step/attempts": done.attempts,
+            **done.lr,
         }
         self.metrics_processor.log(self.step, loss, loss, grad_norm, extra_metrics=extra)
         first, start = self._progress_start
