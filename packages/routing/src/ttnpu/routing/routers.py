@@ -2,8 +2,9 @@
 
 Capture is a no-grad forward that leaves no trace: buffers (e.g. expert-load counters), RNG
 streams and the routers' ``last_indices`` are as they were before. It stops as soon as the last
-router has run (no head, no loss). Replay forces cached indices on every router and checks that
-each router ran and used them: it never falls back to live routing silently.
+router has run (no head, no loss), and resets the FSDP2 state that the cut left mid-forward.
+Replay forces cached indices on every router and checks that each router ran and used them: it
+never falls back to live routing silently.
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
-from typing import Any
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ttnpu.routing.cache import RouterSpec
 from ttnpu.routing.protocol import Router, find_routers
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 class RouteReplayError(RuntimeError):
@@ -58,7 +62,12 @@ class RouterSet:
         """Run ``forward()`` without grad and without side effects; return every router's indices.
 
         Each router must run exactly once. With ``stop_after_last_router`` the forward is cut
-        short once every router has run, so layers after the last router cost nothing.
+        short once every router has run, so layers after the last router cost nothing. Under
+        FSDP2 the cut leaves the root and the last router's block unsharded and mid-forward (the
+        next forward would then register no post-backward hooks for them, deferring their
+        reduce-scatter to the end of the backward), so every FSDP2 root in the model gets
+        ``reset_iter_state()``: call capture between optimizer steps, never between micro-batches
+        of one (the reset drops gradients accumulated under ``no_sync``).
         """
         captured: dict[str, torch.Tensor] = {}
 
@@ -81,8 +90,12 @@ class RouterSet:
         previous = {n: self.router(n).last_indices for n in self.names}
         handles = [m.register_forward_hook(record(n)) for n, m in self.modules.items()]
         try:
-            with _preserved_state(self.model), torch.no_grad(), suppress(_CaptureDone):
-                forward()
+            with _preserved_state(self.model), torch.no_grad():
+                try:
+                    forward()
+                except _CaptureDone:
+                    for root in _fsdp_roots(self.model):
+                        root.reset_iter_state()
         finally:
             for handle in handles:
                 handle.remove()
@@ -168,6 +181,19 @@ def _preserved_state(model: nn.Module) -> Iterator[None]:
                         setattr(module, name, tensor)
                     if tensor._version != version:
                         tensor.copy_(saved)
+
+
+def _fsdp_roots(model: nn.Module) -> list[FSDPModule]:
+    """The outermost FSDP2 modules in ``model``: the ones ``reset_iter_state()`` accepts."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    roots: dict[str, FSDPModule] = {}  # by the prefix of the names below them
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule) and not any(map(name.startswith, roots)):
+            roots[f"{name}." if name else ""] = module
+    return list(roots.values())
 
 
 def _device_indices(model: nn.Module) -> list[int]:

@@ -41,7 +41,8 @@ class ScheduleConfig:
     """``delay_steps`` is Δt (steps captured ahead); ``active_steps`` the ACTIVE updates.
 
     ``stop_after_last_router`` cuts the capture forward short with an exception from the last
-    router's hook; turn it off where a wrapper must see every forward end (FSDP's reshard hooks).
+    router's hook (FSDP2 is reset after it, see :meth:`RouterSet.capture`); turn it off for a
+    wrapper that cannot recover from an exception in the middle of its forward.
     """
 
     delay_steps: int = 16
