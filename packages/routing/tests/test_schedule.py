@@ -311,3 +311,35 @@ def test_end_of_data_drains_then_stops() -> None:
     assert run.schedule.phase is Phase.NORMAL
     with pytest.raises(DataExhaustedError, match="data ended before the 2 micro-batches of step 3"):
         run.schedule.next_step()
+
+
+def test_a_healed_replica_follows_the_phase_of_the_others() -> None:
+    """At every step of an anticipatory stretch, a schedule that joins it (``follow``) is in the
+    phase of the one that went through it, with the same steps queued, and from there on both
+    move through the same phases (routes captured with the healed weights: lag 0 at first)."""
+    delay, active, started_at = 2, 3, 4
+    for join in range(started_at, started_at + active + delay + 2):
+        reference = Run(delay=delay, active=active, dropout=0.0)
+        for _ in range(started_at):
+            reference.step()
+        reference.schedule.trigger()
+        for _ in range(join - started_at):
+            reference.step()
+        healed = Run(delay=delay, active=active, dropout=0.0)
+        for _ in range(join * MICROBATCHES):  # the data position of step `join` (catch-up)
+            next(healed.data)
+        healed.schedule.step = join
+        healed.schedule.follow(started_at)
+        a, b = reference.schedule, healed.schedule
+        assert (b.phase, b.active_left, b.queued_steps) == (a.phase, a.active_left, a.queued_steps)
+        for _ in range(active + delay):
+            left, right = reference.step(), healed.step()
+            assert (left.step, left.phase) == (right.step, right.phase)
+            assert torch.equal(left.batches[0], right.batches[0])
+        assert healed.schedule.phase is Phase.NORMAL
+
+
+def test_follow_refuses_a_stretch_that_starts_later() -> None:
+    run = Run(delay=2, active=3)
+    with pytest.raises(ValueError, match="started at step 5, after step 0"):
+        run.schedule.follow(5)

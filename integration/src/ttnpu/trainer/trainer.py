@@ -158,6 +158,9 @@ class DSV4Trainer(Trainer):
 
     platform: Platform
     stepper: Stepper
+    anticipation_from: int | None = None
+    """The step the replicas rolled back to and started anticipatory routing from, until the
+    routing is NORMAL again; part of the training state."""
     ntokens_seen: int  # torchtitan's, set in its __init__
     _progress_start: tuple[int, float] | None = None
 
@@ -231,16 +234,19 @@ class DSV4Trainer(Trainer):
         thing checkpoints, resumes, heals and rollbacks all restore (torchtitan registers the
         trainer as the checkpoint's ``train_state``; ttnpu-ft sends it in a heal): torchtitan's
         step and tokens seen, the loss-spike detector (so a replica that healed judges the next
-        loss as the others do and rolls back with them) and the RNG states (so torchtitan's
-        ``--debug.seed`` holds across them)."""
+        loss as the others do and rolls back with them), the step anticipatory routing started
+        from (so a replica that healed routes in the others' phase) and the RNG states (so
+        torchtitan's ``--debug.seed`` holds across them)."""
         return {
             **super().state_dict(),
             "spike_detector": self.spikes.detector.state_dict(),
+            "anticipation_from": self.anticipation_from,
             "rng": _rng_states(self.platform.device_type),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.spikes.detector.load_state_dict(state_dict["spike_detector"])
+        self.anticipation_from = state_dict["anticipation_from"]
         _set_rng_states(state_dict["rng"])
         super().load_state_dict(state_dict)
 
@@ -382,6 +388,7 @@ class DSV4Trainer(Trainer):
         schedule = self.spikes.schedule(self.dataloader, self.step)
         if self.config.spike.anticipatory:
             schedule.trigger()
+            self.anticipation_from = self.step
         logger.warning(
             f"loss spike (onset step {onset}, seen at step {spiked_at}): rolled back to step "
             f"{self.step}; routing phase {schedule.phase.name}"
@@ -405,14 +412,19 @@ class DSV4Trainer(Trainer):
         done = self._commit(planned)
         schedule.finish_step()
         self.step += 1
-        if schedule.phase is Phase.NORMAL and self.stepper.heals > heals:
-            self._catch_up_data(schedule, self.step - 1 - own_step)
+        if self.stepper.heals > heals:
+            self._join_peers(schedule, self.step - 1 - own_step)
+        if schedule.phase is Phase.NORMAL:
+            self.anticipation_from = None
         return done
 
-    def _catch_up_data(self, schedule: AnticipatorySchedule[Batch], steps: int) -> None:
-        """After a heal moved this replica from its own step to a live one's, move its data shard
-        as far: a replica's shard position is a function of the step (``microbatches`` batches a
-        step), so a rejoined replica does not train again on batches it trained on before."""
+    def _join_peers(self, schedule: AnticipatorySchedule[Batch], steps: int) -> None:
+        """After a heal moved this replica from its own step to a live one's: its data shard
+        moves as far (a replica's shard position is a function of the step, ``microbatches``
+        batches a step, so a rejoined replica does not train again on batches it trained on
+        before), and its routing schedule takes up the phase the live ones are in (the heal
+        brought ``anticipation_from``), so the replicas route alike and checkpoint at the same
+        steps."""
         schedule.step = self.step
         batches = max(steps, 0) * self.gradient_accumulation_steps
         for skipped in range(batches):
@@ -422,6 +434,10 @@ class DSV4Trainer(Trainer):
                 )
         if batches:
             self.step_log.write(event="data_catch_up", step=self.step, batches=batches)
+        if self.anticipation_from is None:
+            schedule.abandon_step()
+        else:
+            schedule.follow(self.anticipation_from)
 
     def train_step(self, data_iterator: Iterator[Batch]) -> None:
         """torchtitan's step commits unconditionally; this trainer's step is :meth:`commit_step`

@@ -211,6 +211,36 @@ class AnticipatorySchedule(Generic[B]):
         self.active_left = 0
         self.phase = Phase.NORMAL
 
+    def follow(self, started_at: int) -> None:
+        """Take up the anticipatory routing that the other replicas entered when they rolled back
+        to step ``started_at`` (their ``trigger()``), in a replica that has just healed from them
+        and stands at ``self.step``: the phase they are in now, with as many steps queued. The
+        phases are a function of the step (ACTIVE for ``started_at + 1 .. + active_steps``, then
+        DRAIN for ``delay_steps``), so every replica checkpoints at the same steps again. The
+        queued routes are captured now, with the healed parameters: this replica never held the
+        older ones, so its routes are fresher than the others' (lag 0)."""
+        if self._current is not None:
+            raise RuntimeError(f"follow: step {self._current.step} is in progress")
+        if started_at > self.step:
+            raise ValueError(f"follow: started at step {started_at}, after step {self.step}")
+        self.abandon_step()
+        active_end = started_at + self.config.active_steps
+        drain_end = active_end + self.config.delay_steps
+        if self.step >= drain_end:
+            return
+        if self.step == started_at:
+            self.trigger()
+            return
+        if self.step < active_end:
+            self.phase, self.active_left = Phase.ACTIVE, active_end - self.step
+            ahead = self.config.delay_steps
+        else:
+            self.phase, ahead = Phase.DRAIN, drain_end - self.step
+        while len(self._queue) < ahead and self._capture_next():
+            pass
+        if self.phase is Phase.DRAIN and not self._queue:
+            self.phase = Phase.NORMAL
+
     def _end_active(self) -> None:
         self.active_left = 0
         self.phase = Phase.DRAIN if self._queue else Phase.NORMAL
