@@ -168,3 +168,30 @@ def test_a_name_keyed_optimizer_state_roundtrips_and_is_validated(make_model: An
     with pytest.raises(RestoreError, match=rf"optimizer\.state\[{key}\]\.exp_avg: shape"):
         target.restore(bad)
     assert_same(target.optimizer.state_dict(), before)
+
+
+class History:
+    """A trainer's own state: a list of plain values that grows, and a tensor buffer."""
+
+    def __init__(self, length: int, buffers: int = 1) -> None:
+        self.seen = [[step, float(step)] for step in range(length)]
+        self.buffers = [torch.zeros(2) for _ in range(buffers)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen, "buffers": self.buffers}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.seen, self.buffers = state_dict["seen"], state_dict["buffers"]
+
+
+def test_an_extra_history_of_another_length_heals_but_tensors_must_fit(make_model: Any) -> None:
+    def state(history: History) -> ReplicaState:
+        model = make_model(0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return ReplicaState(model, optimizer, extras={"train_state": history})
+
+    live = History(3)
+    state(live).restore(state(History(7)).snapshot())
+    assert live.seen == [[step, float(step)] for step in range(7)]  # the peer's, whole
+    with pytest.raises(RestoreError, match=r"train_state\.buffers: expected a sequence of 1"):
+        state(History(3)).restore(state(History(3, buffers=2)).snapshot())

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtitan.tools.logging import logger
 
 from ttnpu.routing import (
@@ -146,6 +147,11 @@ class SpikeGuard:
             for param in self.model.parameters():
                 if param.dim() < 2:
                     continue
-                noise = torch.randn(param.shape, generator=generator).to(param)
+                noise = torch.randn(param.shape, generator=generator)
+                if isinstance(param, DTensor):  # every rank drew the whole noise: keep its part
+                    noise = distribute_tensor(
+                        noise, param.device_mesh, param.placements, src_data_rank=None
+                    )
+                noise = noise.to(param.device, param.dtype)
                 param.add_(noise * (self.config.inject_scale * param.float().std().item()))
         return True

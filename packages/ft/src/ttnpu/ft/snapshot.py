@@ -90,7 +90,10 @@ def _check_tensor(live: torch.Tensor, snap: Any, path: str, errors: list[str]) -
         errors.append(f"{path}: dtype {snap.dtype} != live {live.dtype}")
 
 
-def _check(live: Any, snap: Any, path: str, errors: list[str]) -> None:
+def _check(live: Any, snap: Any, path: str, errors: list[str], *, grows: bool = False) -> None:
+    """Append to ``errors`` where ``snap`` does not fit ``live``. With ``grows`` (the extras: a
+    trainer's own state), a sequence of plain values may differ in length (a history that grew
+    on the live replica); a sequence that holds tensors must match in any case."""
     if isinstance(live, torch.Tensor):
         _check_tensor(live, snap, path, errors)
     elif isinstance(live, Mapping):
@@ -104,13 +107,17 @@ def _check(live: Any, snap: Any, path: str, errors: list[str]) -> None:
                 f"unexpected {sorted(map(str, extra))})"
             )
         for key in live.keys() & snap.keys():
-            _check(live[key], snap[key], f"{path}.{key}", errors)
+            _check(live[key], snap[key], f"{path}.{key}", errors, grows=grows)
     elif isinstance(live, list | tuple):
-        if not isinstance(snap, list | tuple) or len(snap) != len(live):
+        if not isinstance(snap, list | tuple):
             errors.append(f"{path}: expected a sequence of {len(live)}, got {_describe(snap)}")
             return
+        if len(snap) != len(live):
+            if not grows or _holds_tensors(live) or _holds_tensors(snap):
+                errors.append(f"{path}: expected a sequence of {len(live)}, got {_describe(snap)}")
+            return
         for i, (a, b) in enumerate(zip(live, snap, strict=True)):
-            _check(a, b, f"{path}[{i}]", errors)
+            _check(a, b, f"{path}[{i}]", errors, grows=grows)
     elif live is not None and snap is not None:
         numbers = (int, float)
         same = type(live) is type(snap) or (
@@ -121,6 +128,16 @@ def _check(live: Any, snap: Any, path: str, errors: list[str]) -> None:
         )
         if not same:
             errors.append(f"{path}: expected {type(live).__name__}, got {type(snap).__name__}")
+
+
+def _holds_tensors(tree: Any) -> bool:
+    if isinstance(tree, torch.Tensor) or _is_dtensor_leaf(tree):
+        return True
+    if isinstance(tree, Mapping):
+        return any(_holds_tensors(value) for value in tree.values())
+    if isinstance(tree, list | tuple):
+        return any(_holds_tensors(value) for value in tree)
+    return False
 
 
 def _copy_into(live: Any, snap: Any) -> None:
@@ -136,12 +153,23 @@ def _copy_into(live: Any, snap: Any) -> None:
             _copy_into(a, b)
 
 
+def _like(local: torch.Tensor, live: DTensor) -> DTensor:
+    """``local`` as this rank's shard of a DTensor laid out like ``live``. The global shape and
+    stride are given, not inferred: inference assumes even shards, and a dimension that does not
+    divide over the mesh (3 rows on 2 ranks) would get a wrong global shape (2 or 0 rows), which
+    the next optimizer step refuses."""
+    return DTensor.from_local(
+        local, live.device_mesh, live.placements, run_check=False,
+        shape=live.shape, stride=live.stride(),
+    )  # fmt: skip
+
+
 def _rehydrate_optimizer_state(snap: Any, param: torch.Tensor) -> Any:
     """Turn DTensor leaves of one parameter's optimizer state back into DTensors like the param."""
     if _is_dtensor_leaf(snap):
         assert isinstance(param, DTensor), "validated: DTensor state belongs to a DTensor param"
         local = snap["local"].to(param.to_local().device)
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+        return _like(local, param)
     if isinstance(snap, Mapping):
         return {key: _rehydrate_optimizer_state(value, param) for key, value in snap.items()}
     return snap
@@ -158,7 +186,7 @@ def _rehydrate_like(live: Any, snap: Any) -> Any:
     turned back into DTensors laid out like the live ones."""
     if isinstance(live, DTensor):
         local = snap["local"].to(live.to_local().device)
-        return DTensor.from_local(local, live.device_mesh, live.placements, run_check=False)
+        return _like(local, live)
     if isinstance(live, torch.Tensor):
         return snap.to(live.device)
     if isinstance(live, Mapping):
@@ -257,7 +285,7 @@ class ReplicaState:
             _check(self.model.state_dict(), snap["model"], "model", errors)
             self._check_optimizer(snap["optimizer"], errors)
             for name, part in self._parts().items():
-                _check(part.state_dict(), snap[name], name, errors)
+                _check(part.state_dict(), snap[name], name, errors, grows=True)
         if errors:
             shown = "\n  ".join(errors[:20])
             more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
