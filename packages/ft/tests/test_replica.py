@@ -107,6 +107,35 @@ def in_parallel(fns: list[Callable[[], Any]]) -> list[Any]:
         return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
 
 
+def test_a_stop_requested_by_one_replica_is_agreed_by_every_replica_in_the_vote(
+    lighthouse: EmbeddedLighthouse, make_model: Any
+) -> None:
+    """Replica 0 asks to stop before step 2: both learn it in step 2's vote and it stays asked;
+    replica 1 vetoes step 3, and the vote carries both decisions."""
+    replicas = in_parallel(
+        [lambda i=i: make_replica(i, lighthouse.address, make_model) for i in range(2)]
+    )
+    try:
+
+        def train(r: Replica) -> list[tuple[bool, bool, bool]]:
+            gen = torch.Generator().manual_seed(r.config.replica_id)
+            results = []
+            for step in range(1, 4):
+                if step == 2 and r.config.replica_id == 0:
+                    r.veto.request_stop()
+                if step == 3 and r.config.replica_id == 1:
+                    r.veto.raise_flag("a detector fired")
+                res = r.run_step(lambda: r.model(torch.randn(4, 8, generator=gen)).sum().backward())
+                results.append((res.committed, res.vetoed, res.stop))
+            return results
+
+        for results in in_parallel([lambda r=r: train(r) for r in replicas]):
+            assert results == [(True, False, False), (True, False, True), (False, True, True)]
+    finally:
+        for r in replicas:
+            r.close()
+
+
 def test_two_replicas_veto_sum_moe_counters_and_average_the_loss(
     lighthouse: EmbeddedLighthouse, make_model: Any
 ) -> None:

@@ -2,9 +2,9 @@
 
 torchft provides the Lighthouse, the Manager (quorum, heal, commit), transports and process groups;
 this package adds what they lack: an HCCL process group, in-process step recovery with per-device
-adapters, a validated state carry-over for a rejoining replica, a cross-replica commit veto,
-replica-consistent MoE counters, split-brain detection (weights fingerprints compared at a quorum)
-and an embedded Lighthouse.
+adapters, a validated state carry-over for a rejoining replica, a cross-replica commit veto (which
+also agrees a requested stop), replica-consistent MoE counters, split-brain detection (weights
+fingerprints compared at a quorum) and an embedded Lighthouse.
 """
 
 from importlib.metadata import version
@@ -21,7 +21,7 @@ from ttnpu.ft.replica import LRScheduler, ReductionCheck, Replica, ReplicaConfig
 from ttnpu.ft.snapshot import ReplicaState, RestoreError, Stateful, snapshot_tree
 from ttnpu.ft.training_site import SiteCleanup, StepStateOwner, clean_training_site
 from ttnpu.ft.transport import SocketTransport
-from ttnpu.ft.veto import CommitVeto, CommitVetoed
+from ttnpu.ft.veto import CommitVeto, CommitVetoed, Vote
 from ttnpu.ft.watchdog import CollectiveWatchdog, WatchdogToken
 
 __version__ = version("ttnpu-ft")
@@ -55,6 +55,7 @@ __all__ = [
     "StepRecovery",
     "StepResult",
     "StepStateOwner",
+    "Vote",
     "WatchdogToken",
     "__version__",
     "check_lighthouse",

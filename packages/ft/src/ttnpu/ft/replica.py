@@ -95,6 +95,7 @@ class StepResult:
     vetoed: bool = False
     recovered: bool = False
     participants: int = 0  # replicas whose gradients the step averaged (a healing one's: none)
+    stop: bool = False  # the replicas agreed to stop after this step (CommitVeto.request_stop)
     seconds: float = 0.0
     output: Any = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -107,8 +108,8 @@ class Replica:
     across replicas when the membership changed (``SplitBrainError`` on a minority whose weights
     differ at the same step; see :mod:`ttnpu.ft.fingerprint`) -> ``fn()`` (forward/backward;
     gradients are averaged across replicas in buckets during the backward) -> MoE token counters
-    summed across replicas -> veto vote -> ``should_commit`` -> optimizer and LR scheduler step
-    under the recovery lock. A discarded
+    summed across replicas -> veto vote (which also agrees a requested stop: ``StepResult.stop``)
+    -> ``should_commit`` -> optimizer and LR scheduler step under the recovery lock. A discarded
     step cleans the training site and the LR scheduler does not move; whether its data is retried
     or skipped is the caller's choice.
     """
@@ -289,7 +290,7 @@ class Replica:
             if average_output:
                 output = self.recovery.guard("average_output", lambda: self._average(output))
             # A peer that dies between the all-reduce and the vote is caught here too.
-            vetoed = self.recovery.guard("veto", self.veto.vote)
+            vote = self.recovery.guard("veto", self.veto.vote)
         except Exception as error:
             if not self.recovery.is_recoverable(error):
                 raise
@@ -314,8 +315,9 @@ class Replica:
         return StepResult(
             committed=committed,
             step=self.manager.current_step(),
-            vetoed=vetoed,
+            vetoed=vote.vetoed,
             participants=participants,
+            stop=vote.stop,
             seconds=time.perf_counter() - t0,
             output=output,
             timings=timings,

@@ -1,33 +1,46 @@
-"""A cross-replica commit veto.
+"""A cross-replica commit veto, and an agreed stop.
 
 torchft's ``should_commit`` is an AND over the ranks of *one* replica group: a replica that spots a
 problem (an SDC event, a NaN loss) only drops its own update while the others commit a step that
-already contains its gradient. The veto is one scalar MAX all-reduce through the Manager before
+already contains its gradient. The veto is one MAX all-reduce through the Manager before
 ``should_commit``: if any replica raised a flag, every replica reports an error and skips the step,
 so weights stay identical everywhere and nobody needs to heal.
+
+The same all-reduce carries a second value, "stop requested": a replica asked to stop (SIGTERM)
+must not leave alone, or the others wait for it in their next quorum. When any replica requested
+it, every replica learns so in the same vote and all stop after the same step.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 from torch.distributed import ReduceOp
 from torchft import Manager
 
-__all__ = ["CommitVeto", "CommitVetoed"]
+__all__ = ["CommitVeto", "CommitVetoed", "Vote"]
 
 
 class CommitVetoed(RuntimeError):
     """Reported to the Manager on every replica when any replica vetoed the step."""
 
 
+@dataclass(frozen=True)
+class Vote:
+    """The cross-replica decision of one step: the same on every replica."""
+
+    vetoed: bool  # some replica raised a flag: nobody commits the step
+    stop: bool  # some replica requested a stop: everybody stops after the step
+
+
 class CommitVeto:
     """Collects local veto reasons during a step and turns them into a cross-replica decision.
 
-    ``raise_flag`` may be called from any thread (a detector hook, a callback); ``vote`` must be
-    called by every replica once per step, after the gradient all-reduce and before
-    ``should_commit``.
+    ``raise_flag`` and ``request_stop`` may be called from any thread (a detector hook, a
+    callback); ``vote`` must be called by every replica once per step, after the gradient
+    all-reduce and before ``should_commit``.
     """
 
     def __init__(self, manager: Manager, device: torch.device | str = "cpu") -> None:
@@ -35,6 +48,7 @@ class CommitVeto:
         self._device = torch.device(device)
         self._lock = threading.Lock()
         self._reasons: list[str] = []
+        self._stop = False
         self.vetoed_steps = 0
 
     def raise_flag(self, reason: str) -> None:
@@ -42,20 +56,25 @@ class CommitVeto:
         with self._lock:
             self._reasons.append(reason)
 
+    def request_stop(self) -> None:
+        """Ask every replica to stop after the step whose vote comes next. The request stays
+        until the process ends: a step discarded before its vote carries it to the next one."""
+        self._stop = True  # one store of a bool: no lock, so a signal handler may call it too
+
     @property
     def pending(self) -> list[str]:
         with self._lock:
             return list(self._reasons)
 
-    def vote(self) -> bool:
-        """MAX all-reduce of the flags; on a veto, report ``CommitVetoed``. Returns vetoed."""
+    def vote(self) -> Vote:
+        """MAX all-reduce of [flag, stop]; on a veto, report ``CommitVetoed``."""
         with self._lock:
             reasons, self._reasons = self._reasons, []
-        flag = torch.tensor([1.0 if reasons else 0.0], device=self._device)
-        self._manager.allreduce(flag, reduce_op=ReduceOp.MAX).wait()
-        if flag.item() <= 0:
-            return False
-        local = "; ".join(reasons) if reasons else "raised by another replica"
-        self._manager.report_error(CommitVetoed(f"step vetoed: {local}"))
-        self.vetoed_steps += 1
-        return True
+        votes = torch.tensor([float(bool(reasons)), float(self._stop)], device=self._device)
+        self._manager.allreduce(votes, reduce_op=ReduceOp.MAX).wait()
+        vetoed, stop = (bool(v > 0) for v in votes.tolist())
+        if vetoed:
+            local = "; ".join(reasons) if reasons else "raised by another replica"
+            self._manager.report_error(CommitVetoed(f"step vetoed: {local}"))
+            self.vetoed_steps += 1
+        return Vote(vetoed=vetoed, stop=stop)
