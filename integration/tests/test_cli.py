@@ -4,6 +4,8 @@ anything is built (these run in-process: nothing here starts training)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -162,6 +164,7 @@ def test_a_replica_taken_out_exits_with_its_status_and_one_line(
 
     class Trainer:
         closed = False
+        stopped = None
 
         def train(self) -> None:
             raise (PersistentSDCError if error == "persistent" else SplitBrainError)(error)
@@ -173,3 +176,43 @@ def test_a_replica_taken_out_exits_with_its_status_and_one_line(
     assert _train(trainer) == status and trainer.closed
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(f"ttnpu-train: {error}")
+
+
+def test_sigterm_asks_the_trainer_to_stop_and_the_stop_ends_in_one_line(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A SIGTERM before the trainer exists is handed to it; a second one changes nothing; the
+    handlers from before are back afterwards."""
+    from ttnpu.trainer.cli import StopSignals, _train
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.stopped: str | None = None
+            self.asked: list[str] = []
+
+        def request_stop(self, why: str) -> None:
+            self.asked.append(why)
+
+        def train(self) -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+            self.stopped = "stopped by SIGTERM at step 3; checkpoint /run/checkpoint/step-3"
+
+        def close(self) -> None:
+            pass
+
+    before = signal.getsignal(signal.SIGTERM)
+    signals = StopSignals()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        trainer = Trainer()
+        signals.attach(trainer)
+        assert _train(trainer) == 0
+    finally:
+        signals.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert trainer.asked == ["SIGTERM"]
+    assert capfd.readouterr().err.splitlines() == [
+        "ttnpu-train: SIGTERM: stopping after the current step, with a checkpoint (SIGINT again: "
+        "exit at once)",
+        "ttnpu-train: stopped by SIGTERM at step 3; checkpoint /run/checkpoint/step-3",
+    ]

@@ -68,6 +68,25 @@ def test_the_local_stepper_commits_unless_a_flag_was_raised() -> None:
     assert schedulers.get_metrics() != lr
 
 
+def test_the_local_stepper_says_when_a_stop_was_asked_for() -> None:
+    """One rank: the request comes back as agreed, on a committed and on a vetoed step."""
+    model, optimizers, schedulers = _tiny()
+    stepper = LocalStepper(model, optimizers, schedulers)
+
+    def step(veto: bool) -> torch.Tensor:
+        loss = model(torch.ones(2, 4)).sum()
+        loss.backward()
+        if veto:
+            stepper.raise_flag("a detector fired")
+        return loss.detach()
+
+    outcomes = [
+        stepper.run(functools.partial(step, veto), lambda: None, stop=stop)
+        for veto, stop in [(False, False), (False, True), (True, True)]
+    ]
+    assert [(o.committed, o.stop) for o in outcomes] == [(True, False), (True, True), (False, True)]
+
+
 @functools.cache
 def _lm() -> DeepSeekV4LM:
     """One debug model for every test (none of them changes it except the spike test, which

@@ -32,7 +32,8 @@ class ChecksummedCheckpointManager(CheckpointManager):
     an explicit ``load_step`` that does not verify is refused, and when none verifies the load
     raises :class:`~ttnpu.trainer.run_folder.CheckpointError` before anything changes. A last save
     in Hugging Face format (``--checkpoint.last_save_in_hf``) gets the model's ``config.json`` from
-    the state-dict adapter (``hf_config()``), so transformers loads the folder as it is."""
+    the state-dict adapter (``hf_config()``), so transformers loads the folder as it is.
+    :meth:`save_now` writes a full, resumable checkpoint off the interval (a stop by signal)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
@@ -44,6 +45,22 @@ class ChecksummedCheckpointManager(CheckpointManager):
         super().__init__(config, **kwargs)
         self.allow_unverified = config.allow_unverified
         self._unsealed: Path | None = None  # an asynchronous save not known to be finished
+        self._now = False
+
+    def save_now(self, curr_step: int) -> bool:
+        """A full checkpoint of ``curr_step`` whatever the interval: resumable, unlike a
+        ``last_step`` save (model-only or Hugging Face format by default), and sealed with its
+        manifest once finished. False when checkpointing is off."""
+        self._now = True
+        try:
+            return self.save(curr_step)
+        finally:
+            self._now = False
+
+    def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
+        if self._now:
+            return not self.load_only
+        return super()._should_save(curr_step, last_step)
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         saved = super()._save(curr_step, last_step)  # waits for an earlier asynchronous save

@@ -18,9 +18,16 @@ a bad one exits 2 with one line naming it and what was expected, and leaves no r
 Under fault tolerance each log line carries its replica id; torchft's own logs (its Python
 loggers and its Rust ``RUST_LOG``) stay at WARNING unless ``--torchft-logs``.
 
-Exit status: 0 when training finished; 2 for a bad command line, config or checkpoint;
-3 (``EXIT_PERSISTENT_SDC``) for a replica taken out by a persistent silent data corruption;
-4 (``EXIT_SPLIT_BRAIN``) for a replica group whose weights differ from the majority's.
+SIGTERM or SIGINT (Ctrl-C) asks for a stop: every rank and replica agree on it in the next step's
+vote, finish that step, write a full checkpoint of it and exit 0 with one line ("stopped by SIGTERM
+at step N; checkpoint <path>"); a second SIGINT exits at once (130). ``--supervisor-pid`` (given
+by ``--replicas`` to its replicas) stops the process the same way when that supervisor is gone.
+
+Exit status: 0 when training finished or stopped on request; 2 for a bad command line, config or
+checkpoint; 3 (``EXIT_PERSISTENT_SDC``) for a replica taken out by a persistent silent data
+corruption; 4 (``EXIT_SPLIT_BRAIN``) for a replica group whose weights differ from the majority's;
+1 for a replica whose supervisor vanished and that could not stop within
+``ORPHAN_GRACE_SECONDS``; 130 for a second SIGINT.
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -56,6 +65,9 @@ _AC_CHOICE = re.compile(r"activation[-_]checkpoint:")
 _AC_OPTION = re.compile(r"--activation[-_]checkpoint\.")
 _HELP_HINT = "every option: ttnpu-train --help-config"
 _TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
+ORPHAN_GRACE_SECONDS = 10.0
+"""How long a replica whose supervisor vanished may take to stop cleanly before it exits at once
+(its step may wait on a Lighthouse that died with the supervisor)."""
 
 
 class UsageError(Exception):
@@ -93,11 +105,79 @@ def _parser() -> argparse.ArgumentParser:
         "--help-config", action="store_true", help="show every config override and exit"
     )
     parser.add_argument(
+        "--supervisor-pid",
+        type=int,
+        metavar="PID",
+        help="stop (with a checkpoint) when process PID is no longer this one's parent",
+    )
+    parser.add_argument(
         "--torchft-logs",
         action="store_true",
         help="show torchft's own INFO logs (quorums, commits; its Rust side too)",
     )
     return parser
+
+
+class StopSignals:
+    """SIGTERM and SIGINT as a stop request. The first asks the trainer to stop after the current
+    step (the handler only sets a flag: nothing is raised inside torch or torchft, whose state a
+    KeyboardInterrupt would leave half-changed); one that arrives before the trainer exists is
+    handed to it once built. A second SIGINT exits at once."""
+
+    def __init__(self) -> None:
+        self.first: str | None = None
+        self._trainer: Any = None
+        self._previous = {
+            s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)
+        }
+
+    def close(self) -> None:
+        """The handlers from before (for callers of :func:`main` in-process)."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def attach(self, trainer: Any) -> None:
+        self._trainer = trainer
+        if self.first is not None:
+            trainer.request_stop(self.first)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self.first is None:
+            self.first = name
+            if self._trainer is not None:
+                self._trainer.request_stop(name)
+            _say(f"{name}: stopping after the current step, with a checkpoint (SIGINT again: "
+                 f"exit at once)")  # fmt: skip
+        elif signum == signal.SIGINT:
+            _say("SIGINT again: exiting at once, without a checkpoint")
+            os._exit(128 + signum)
+
+
+def _say(line: str) -> None:
+    """One line on stderr from rank 0, safe inside a signal handler (no buffered I/O)."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, f"ttnpu-train: {line}\n".encode())
+
+
+def exit_with_supervisor(pid: int) -> None:
+    """Stop as on SIGTERM once ``pid`` is no longer this process's parent (the supervisor died and
+    the kernel re-parented this one), so no replica outlives its supervisor. A daemon thread polls
+    ``os.getppid()``: one code path on every POSIX system (Linux's ``PR_SET_PDEATHSIG`` is not
+    portable), which also catches a supervisor that died before this process started. The stop
+    may wait on a Lighthouse that died with the supervisor: after ``ORPHAN_GRACE_SECONDS`` the
+    process exits at once (status 1; the newest checkpoint stays valid)."""
+
+    def watch() -> None:
+        while os.getppid() == pid:
+            time.sleep(0.5)
+        _say(f"the supervisor (pid {pid}) is gone; stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE_SECONDS)
+        _say(f"not stopped {ORPHAN_GRACE_SECONDS:.0f} s after the supervisor vanished; exiting")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ttnpu-supervisor-watch", daemon=True).start()
 
 
 def single_process_env() -> None:
@@ -193,8 +273,10 @@ def _plan(
     return config, _ac_choice_last([*saved_overrides, *overrides]), run, layout
 
 
-def _run(argv: Sequence[str]) -> int:
+def _run(argv: Sequence[str], signals: StopSignals) -> int:
     args, overrides = _parser().parse_known_args(argv)
+    if args.supervisor_pid is not None:
+        exit_with_supervisor(args.supervisor_pid)
     if not args.torchft_logs:
         os.environ.setdefault("RUST_LOG", "warn")  # read when torchft's native side loads
     from .config_registry import CONFIGS
@@ -217,6 +299,9 @@ def _run(argv: Sequence[str]) -> int:
     _init_logging(config, torchft_logs=args.torchft_logs)
 
     if layout["replicas"] > 1:
+        if signals.first is not None:  # then the supervisor's own handlers take over
+            _say(f"stopped by {signals.first} before the replicas started")
+            return 0
         return _launch(
             config_name, overrides, resume, layout, Path(config.dump_folder), args, cli_overrides
         )
@@ -255,6 +340,7 @@ def _run(argv: Sequence[str]) -> int:
         (run / _COMMAND_FILE).write_text(
             json.dumps({"config": config_name, "overrides": overrides}, indent=2) + "\n"
         )
+    signals.attach(trainer)
     return _train(trainer)
 
 
@@ -277,6 +363,8 @@ def _train(trainer: Any) -> int:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    if trainer.stopped is not None:
+        _say(str(trainer.stopped))
     return 0
 
 
@@ -405,11 +493,14 @@ def _launch(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    signals = StopSignals()  # from the start: a replica stopped while it starts up stops cleanly
     try:
-        return _run(sys.argv[1:] if argv is None else argv)
+        return _run(sys.argv[1:] if argv is None else argv, signals)
     except (UsageError, CheckpointError) as err:
         print(f"ttnpu-train: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        signals.close()
 
 
 if __name__ == "__main__":

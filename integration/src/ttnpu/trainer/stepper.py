@@ -6,7 +6,9 @@ a flag during the step. :class:`ReplicaStepper` is :class:`ttnpu.ft.Replica`: qu
 gradients averaged over the replicas, a veto vote, torchft's commit, and an LR scheduler that only
 moves on a committed step (torchtitan's fault-tolerant trainer steps it on discarded steps too).
 Either way a step that is not committed leaves the weights, the optimizer and the LR untouched
-and the training site clean, so the trainer can re-run it.
+and the training site clean, so the trainer can re-run it. A stop asked of one rank (a signal) is
+agreed with every rank and replica in the step's vote (``StepOutcome.stop``), so all stop after the
+same committed step.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class StepOutcome:
     vetoed: bool = False
     recovered: bool = False
     participants: int = 1
+    stop: bool = False  # every rank and replica agreed to stop after this step
     timings: dict[str, float] = field(default_factory=dict)  # torchft's share of the step, s
 
 
@@ -54,8 +57,9 @@ class Stepper(Protocol):
         """Ask for the current step to be discarded (on every replica)."""
 
     def run(
-        self, fn: Callable[[], torch.Tensor], before_update: Callable[[], None]
-    ) -> StepOutcome: ...
+        self, fn: Callable[[], torch.Tensor], before_update: Callable[[], None], stop: bool = False
+    ) -> StepOutcome:
+        """One attempt at the step; ``stop``: this rank asks for a stop after it."""
 
     def set_step(self, step: int) -> None:
         """The training step was loaded from a checkpoint (resume, rollback)."""
@@ -67,8 +71,9 @@ class Stepper(Protocol):
 
 
 class LocalStepper:
-    """Without torchft: the process group's ranks commit together unless any rank raised a flag
-    (one MAX all-reduce of the flag when there are several ranks)."""
+    """Without torchft: the process group's ranks commit together unless any rank raised a flag,
+    and stop together when any rank asked to (one MAX all-reduce of both when there are several
+    ranks)."""
 
     def __init__(
         self,
@@ -83,20 +88,23 @@ class LocalStepper:
     def raise_flag(self, reason: str) -> None:
         self._reasons.append(reason)
 
-    def run(self, fn: Callable[[], torch.Tensor], before_update: Callable[[], None]) -> StepOutcome:
+    def run(
+        self, fn: Callable[[], torch.Tensor], before_update: Callable[[], None], stop: bool = False
+    ) -> StepOutcome:
         self.optimizers.zero_grad(set_to_none=True)
         self._reasons.clear()
         loss = fn()
-        flag = torch.tensor([float(bool(self._reasons))], device=loss.device)
+        flags = torch.tensor([float(bool(self._reasons)), float(stop)], device=loss.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        vetoed, agreed = (bool(f > 0) for f in flags.tolist())
+        if vetoed:
             clean_training_site(self.model, (self.optimizers,))
-            return StepOutcome(committed=False, loss=loss, vetoed=True)
+            return StepOutcome(committed=False, loss=loss, vetoed=True, stop=agreed)
         before_update()
         self.optimizers.step()
         self.lr_schedulers.step()
-        return StepOutcome(committed=True, loss=loss)
+        return StepOutcome(committed=True, loss=loss, stop=agreed)
 
     def set_step(self, step: int) -> None:
         pass
@@ -114,7 +122,10 @@ class ReplicaStepper:
     ``train_state`` (the trainer: step, tokens seen) travels with the weights, optimizer and LR
     scheduler when a rejoining replica heals from a live one; ``reduction_check`` verifies the
     gradient all-reduce. Under torchrun the group's ranks
-    share the launcher's store (``MASTER_ADDR``/``MASTER_PORT``)."""
+    share the launcher's store (``MASTER_ADDR``/``MASTER_PORT``). A stop is agreed across the
+    replicas in the veto vote, which joins rank r of every group only; in a group of several
+    ranks one more MAX all-reduce per step over the group's own process group first makes every
+    rank carry the same request into it."""
 
     def __init__(
         self,
@@ -159,7 +170,15 @@ class ReplicaStepper:
     def raise_flag(self, reason: str) -> None:
         self.replica.veto.raise_flag(reason)
 
-    def run(self, fn: Callable[[], torch.Tensor], before_update: Callable[[], None]) -> StepOutcome:
+    def run(
+        self, fn: Callable[[], torch.Tensor], before_update: Callable[[], None], stop: bool = False
+    ) -> StepOutcome:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([float(stop)], device=self.replica.adapter.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = flag.item() > 0
+        if stop:
+            self.replica.veto.request_stop()
         result = self.replica.run_step(fn, average_output=True, before_update=before_update)
         return StepOutcome(
             committed=result.committed,
@@ -167,6 +186,7 @@ class ReplicaStepper:
             vetoed=result.vetoed,
             recovered=result.recovered,
             participants=result.participants,
+            stop=result.stop,
             timings={k: round(v, 4) for k, v in result.timings.items()},
         )
 

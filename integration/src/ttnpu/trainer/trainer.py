@@ -12,6 +12,10 @@ torchtitan's. One optimizer step:
 4. a step that was not committed is re-run on the same batches; a committed one is logged, its
    replica-averaged loss is judged for a spike (which rolls every replica back together), and it
    is checkpointed when the routing schedule allows.
+
+A stop (:meth:`DSV4Trainer.request_stop`, from a signal handler) is agreed by every rank and
+replica in a step's vote; they all stop after that committed step, each with a full checkpoint of
+it (:attr:`DSV4Trainer.stopped` says how it went).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from .steplog import StepLog
 from .stepper import LocalStepper, ReplicaStepper, Stepper
 from .validation import check_config
 
-__all__ = ["Attempt", "CommittedStep", "DSV4Trainer", "init_optimizer_state"]
+__all__ = ["Attempt", "CommittedStep", "DSV4Trainer", "Stopped", "init_optimizer_state"]
 
 
 @dataclass
@@ -81,6 +85,23 @@ class CommittedStep:
     attempts: int
     participants: int
     timings: dict[str, float]
+    stop: bool = False  # every rank and replica agreed to stop after this step
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """How a training loop that was asked to stop ended: after committed step ``step``, with a
+    checkpoint of it, or without one and why (anticipatory routing was not in NORMAL,
+    checkpointing is off)."""
+
+    why: str  # "SIGTERM", or who asked instead
+    step: int
+    checkpoint: Path | None
+    no_checkpoint: str = ""
+
+    def __str__(self) -> str:
+        saved = f"checkpoint {self.checkpoint}" if self.checkpoint else self.no_checkpoint
+        return f"stopped by {self.why} at step {self.step}; {saved}"
 
 
 def init_optimizer_state(optimizers: OptimizersContainer) -> None:
@@ -163,6 +184,9 @@ class DSV4Trainer(Trainer):
     routing is NORMAL again; part of the training state."""
     ntokens_seen: int  # torchtitan's, set in its __init__
     _progress_start: tuple[int, float] | None = None
+    _stop_asked_by: str | None = None
+    stopped: Stopped | None = None
+    """Set when :meth:`train` ended on an agreed stop."""
 
     def __init__(self, config: Config) -> None:
         register_dataset()
@@ -333,6 +357,7 @@ class DSV4Trainer(Trainer):
             outcome = self.stepper.run(
                 partial(self._forward_backward, planned, attempt),
                 partial(self._before_update, attempt),
+                stop=self._stop_asked_by is not None,
             )
             events = self.sdc.take_events() if self.sdc is not None else []
             if self.stepper.heals > heals:
@@ -349,7 +374,7 @@ class DSV4Trainer(Trainer):
                     step=self.step + 1, phase=planned.phase, loss=float(outcome.loss),
                     grad_norm=float(attempt.grad_norm), lr=attempt.lr, tokens=tokens,
                     attempts=number, participants=outcome.participants,
-                    timings=outcome.timings,
+                    timings=outcome.timings, stop=outcome.stop,
                 )  # fmt: skip
             self.ntokens_seen -= tokens  # the attempt's tokens were not trained on
             self.step_log.write(
@@ -472,13 +497,17 @@ class DSV4Trainer(Trainer):
                     schedule = self._roll_back(onset)
                     continue
                 last = self.step == config.training.steps
+                saved = False
                 if schedule.checkpoint_allowed:
-                    self.checkpointer.save(self.step, last_step=last)
+                    saved = self.checkpointer.save(self.step, last_step=last)
                 elif last:
                     logger.warning(
                         f"the last step {self.step} is not checkpointed: anticipatory routing is "
                         f"still in {schedule.phase.name} (checkpoints are written in NORMAL only)"
                     )
+                if done.stop and not last:
+                    self.stopped = self._stop(schedule, saved)
+                    break
                 if config.validator.enable and self.validator.should_validate(self.step):
                     self.validator.validate(self.model_parts, self.step)
                 profiler.step()
@@ -487,7 +516,37 @@ class DSV4Trainer(Trainer):
                         timeout=timedelta(seconds=config.comm.train_timeout_seconds),
                         parallel_dims=self.parallel_dims,
                     )
-        logger.info("Training completed")
+        if self.stopped is None:
+            logger.info("Training completed")
+
+    def request_stop(self, why: str) -> None:
+        """Stop after the step whose vote comes next, on every rank and replica, with a
+        checkpoint of the last committed step. Only sets a flag, so a signal handler may call
+        it at any moment; the first request names the stop."""
+        if self._stop_asked_by is None:
+            self._stop_asked_by = why
+
+    def _stop(self, schedule: AnticipatorySchedule[Batch], saved: bool) -> Stopped:
+        """The agreed stop after the committed step ``self.step``: a full, resumable checkpoint
+        of it unless the interval save just wrote one (or routing forbids one)."""
+        why = self._stop_asked_by or "the request of another rank or replica"
+        checkpoint = Path(self.checkpointer._create_checkpoint_id(self.step))
+        if not schedule.checkpoint_allowed:
+            stopped = Stopped(
+                why, self.step, None,
+                f"no checkpoint: anticipatory routing is in {schedule.phase.name} (checkpoints "
+                f"are written in NORMAL only; the newest earlier one stays valid)",
+            )  # fmt: skip
+        elif saved or self.checkpointer.save_now(self.step):
+            stopped = Stopped(why, self.step, checkpoint)
+        else:
+            stopped = Stopped(why, self.step, None, "no checkpoint: checkpointing is off")
+        self.step_log.write(
+            event="stop", step=self.step, why=why, replica=self.replica_id,
+            checkpoint=str(stopped.checkpoint) if stopped.checkpoint else None,
+        )  # fmt: skip
+        logger.info(str(stopped))
+        return stopped
 
     def _record(self, done: CommittedStep) -> None:
         """The committed step in ``steps.jsonl``, torchtitan's metrics and the progress line."""
