@@ -120,7 +120,7 @@ def test_buckets_start_during_the_backward_and_accumulation_reduces_once(
         sizes = [n for n, _ in recorder.calls]
         weights = sizes.count(WIDTH * WIDTH)
         assert weights == DEPTH, "each weight reduced once, in place, after 3 backwards"
-        assert sizes[-2:] == [params + 1, 1], "then the flags, then the veto"
+        assert sizes[-2:] == [params + 1, 2], "then the flags, then the vote (veto, stop)"
 
 
 def test_a_second_backward_outside_no_sync_is_refused(pair: list[Replica]) -> None:
@@ -156,7 +156,7 @@ def test_a_one_member_world_reduces_and_copies_nothing() -> None:
                 assert replica.run_step(lambda s=step: step_of(replica, s)).committed
                 after = {n: p.grad.data_ptr() for n, p in replica.model.named_parameters()}
                 assert after == produced, "every gradient is the tensor autograd produced"
-            assert [n for n, _ in recorder.calls] == [1, 1], "only the veto flag, once a step"
+            assert [n for n, _ in recorder.calls] == [2, 2], "only the vote, once a step"
         finally:
             replica.close()
 
