@@ -62,12 +62,6 @@ def _replay(folder: Path) -> tuple[list[tuple[int, float]], list[tuple[int, str]
     return [(r["step"], r["loss"]) for r in steps], after
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 19: under FSDP a heal rebuilds optimizer state with DTensor.from_local without "
-    "the global shape (ttnpu.ft.snapshot), and SpikeGuard.maybe_inject adds a plain tensor to "
-    "a DTensor; passes with both fixed",
-)
 def test_a_spike_rolls_fsdp_replica_groups_back_like_one_rank_groups(tmp_path: Path) -> None:
     one = subprocess.run(
         [sys.executable, *_cli(tmp_path, "one"), "--replicas", "4", "--min-replicas", "4"],

@@ -300,3 +300,66 @@ def test_a_loss_spike_rolls_both_replicas_back_through_anticipatory_routing(
         assert not (folder / "checkpoint" / "step-10").exists()
         curves.append([r["loss"] for r in after])
     assert curves[0] == curves[1]  # both replicas judged and trained on the same averaged loss
+
+
+def test_a_replica_restarted_during_anticipatory_routing_heals_into_the_same_phase(
+    tmp_path: Path,
+) -> None:
+    """Both replicas roll back to step 8 on the spike at 10; replica 1 is killed in ACTIVE and
+    restarted from its own step-8 checkpoint (replica 0 waits for it: min 2 replicas). The heal
+    brings the training state (detector, the step anticipatory routing started from), so from
+    its first step after the heal replica 1 routes in replica 0's phase and both checkpoint at
+    the same steps, with the same weights."""
+    spike = ["--training.steps", "20", "--checkpoint.interval", "2", "--spike.enable",
+             "--spike.warmup_steps", "5", "--spike.delay_steps", "2", "--spike.active_steps", "4",
+             "--fault_tolerance.quorum_timeout_seconds", "300"]  # fmt: skip
+
+    def start(i: int, *args: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "ttnpu.trainer.cli", *args]
+        with (tmp_path / f"r{i}.log").open("a") as log:
+            return subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+
+    runs = [tmp_path / "r0", tmp_path / "r1"]
+    with EmbeddedLighthouse(min_replicas=2, join_timeout_ms=30_000) as lighthouse:
+        procs = [
+            start(i, "--dump_folder", str(tmp_path), "--run-name", f"r{i}", *SMALL, *spike,
+                  "--spike.inject_step", "10", *replica_args(i, 2, 2, lighthouse.address))
+            for i in range(2)
+        ]  # fmt: skip
+        try:
+            wait_for(
+                "replica 1 in ACTIVE",
+                lambda: [r for r in steps(runs[1]) if r["phase"] == "active"],
+                procs,
+            )
+            procs[1].send_signal(signal.SIGKILL)
+            procs[1].wait()
+            # the restart must not plant the spike again when it heals to step 9
+            procs[1] = start(1, "--resume", str(runs[1]), "--spike.inject_step", "0")
+            for i, proc in enumerate(procs):
+                assert proc.wait(timeout=600) == 0, (tmp_path / f"r{i}.log").read_text()[-3000:]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    for run in runs:
+        [rollback, *_] = events(run, "rollback")
+        assert (rollback["onset"], rollback["step"]) == (10, 8)
+    heal = events(runs[1], "heal")[-1]  # (the first is torchft's at step 0, when both start)
+    assert heal["step"] >= 9
+    phases = [
+        {r["step"]: r["phase"] for r in steps(run) if not r.get("superseded")} for run in runs
+    ]
+    after = range(heal["step"] + 2, 21)  # the first step after the heal trained on its own plan
+    assert [phases[1][s] for s in after] == [phases[0][s] for s in after]
+    losses = [{r["step"]: r["loss"] for r in steps(run) if not r.get("superseded")} for run in runs]
+    assert [losses[1][s] for s in after] == [losses[0][s] for s in after]  # the averaged loss
+    assert "active" in {phases[0][s] for s in after} | {phases[0][heal["step"] + 1]}
+    saved = [{p.parent.name for p in (run / "checkpoint").glob("step-*/ttnpu-sha256.json")}
+             for run in runs]  # fmt: skip
+    assert saved[0] == saved[1] and "step-20" in saved[0] and "step-10" not in saved[0]
+    assert_same_weights(
+        model_weights(runs[0] / "checkpoint" / "step-20", tmp_path),
+        model_weights(runs[1] / "checkpoint" / "step-20", tmp_path),
+    )
