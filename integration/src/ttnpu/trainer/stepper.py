@@ -119,7 +119,7 @@ class LocalStepper:
 class ReplicaStepper:
     """This process as (one rank of) a torchft replica group, through :class:`ttnpu.ft.Replica`.
 
-    ``train_state`` (the trainer: step, tokens seen) travels with the weights, optimizer and LR
+    ``train_state`` (the trainer's training state) travels with the weights, optimizer and LR
     scheduler when a rejoining replica heals from a live one; ``reduction_check`` verifies the
     gradient all-reduce. Under torchrun the group's ranks
     share the launcher's store (``MASTER_ADDR``/``MASTER_PORT``). A stop is agreed across the
