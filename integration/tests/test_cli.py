@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +143,43 @@ def test_a_bad_replica_layout_is_named(
 ) -> None:
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args", [["--max-restarts", "2"], ["--replicas", "2", "--max-restarts", "-1"]]
+)
+def test_max_restarts_without_replicas_or_below_zero_is_refused(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(args) == 2
+    assert f"--max-restarts {args[-1]}: needs --replicas >= 2" in capsys.readouterr().err
+
+
+def test_a_replica_restarted_by_torchelastic_rejoins_its_run_folder(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same command after a restart is no "run already exists" error: it continues there
+    (a first start with that command is refused, as above)."""
+    from ttnpu.trainer.cli import _restarted_run
+
+    run = _run_folder(tmp_path)
+    assert _restarted_run(run.parent, run.name) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert _restarted_run(run.parent, run.name) == run
+    assert f"restarted by torchelastic (restart 2); rejoining in {run}" in capfd.readouterr().err
+    assert _restarted_run(run.parent, "died-before-its-start") is None
+
+
+def test_a_supervisor_that_exited_is_gone_even_before_it_is_reaped() -> None:
+    from ttnpu.trainer.cli import supervisor_gone
+
+    assert not supervisor_gone(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while not supervisor_gone(child.pid):  # exited, but a zombie until reaped below
+        assert time.monotonic() < deadline, "an exited, unreaped process counts as running"
+        time.sleep(0.05)
+    assert child.poll() == 0 and supervisor_gone(child.pid)
 
 
 def test_replicas_under_torchrun_are_refused(

@@ -183,6 +183,12 @@ def test_every_scenario_runs_quick_and_its_figures_hold(tmp_path: Path) -> None:
     assert equal == total and int(total) > 0
     assert figures["kill-storm"]["rejoins"] == figures["kill-storm"]["kills"] >= 1
     assert figures["kill-storm"]["committed_steps_lost"] == 0
+    # a killed replica is restarted by torchelastic, heals, and the job stops cleanly
+    restart = figures["replica-restart"]
+    assert restart["kills"] == restart["restarts_reported_by_the_supervisor"] >= 1
+    assert restart["exit_status"] == 0 and restart["committed_steps_lost"] == []
+    equal, total = restart["equal_model_tensors"].split("/")
+    assert equal == total and int(total) > 0
     # nothing corrupted is committed, every large flip is caught
     sdc = figures["sdc"]
     assert sdc["in_training"]["corrupted_steps_committed"] == 0
@@ -194,7 +200,7 @@ def test_every_scenario_runs_quick_and_its_figures_hold(tmp_path: Path) -> None:
     assert not spike["recurred"]
     plots = [p["name"] for s in scenarios.values() for p in s["plots"]]
     assert all((out / f"{name}.png").stat().st_size > 10_000 for name in plots)
-    assert len(plots) == 8
+    assert len(plots) == 9
 
 
 def finished_process(folder: Path, name: str, steps: list[int]) -> TrainProcess:

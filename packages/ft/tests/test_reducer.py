@@ -37,9 +37,9 @@ def make_replica(replica_id: int, address: str, check: Judged | None = None) -> 
         replica_id=replica_id,
         lighthouse=address,
         device="cpu",
-        collective_timeout=timedelta(seconds=5),
-        timeout=timedelta(seconds=10),
-        quorum_timeout=timedelta(seconds=10),
+        collective_timeout=timedelta(seconds=20),  # a loaded 2-core CI host
+        timeout=timedelta(seconds=30),
+        quorum_timeout=timedelta(seconds=30),
         bucket_cap_mb=4 / 1024,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -11,7 +11,10 @@ A run folder (``<dump_folder>/<timestamp or --run-name>/``, default ``runs/``) h
 top. Without a launcher the process is a one-rank job (``RANK``/``WORLD_SIZE``/``MASTER_*`` set
 here); under torchrun its environment is used and ``--run-name`` gives all ranks one folder.
 ``--replicas N`` runs N replica groups as processes under an embedded Lighthouse
-(:mod:`ttnpu.trainer.launcher`), each in ``<run>/replica_<i>/``.
+(:mod:`ttnpu.trainer.launcher`), each in ``<run>/replica_<i>/`` under a torchrun agent that restarts
+it when it dies (``--max-restarts``, default 3). A process that torchelastic restarted
+(``TORCHELASTIC_RESTART_COUNT`` > 0) with the same ``--run-name`` continues in that run folder: it
+loads the newest checkpoint there, if any, and heals from a live replica.
 
 Every option is checked before anything is built or written (:mod:`ttnpu.trainer.validation`):
 a bad one exits 2 with one line naming it and what was expected, and leaves no run folder.
@@ -100,6 +103,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--min-replicas", type=int, default=1, help="fewest replica groups a step commits with"
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="N",
+        help="with --replicas: how often torchelastic restarts a dead replica (default 3)",
+    )
     parser.add_argument("--list-configs", action="store_true", help="list recipes and exit")
     parser.add_argument(
         "--help-config", action="store_true", help="show every config override and exit"
@@ -108,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         "--supervisor-pid",
         type=int,
         metavar="PID",
-        help="stop (with a checkpoint) when process PID is no longer this one's parent",
+        help="stop (with a checkpoint) when process PID has exited",
     )
     parser.add_argument(
         "--torchft-logs",
@@ -160,21 +169,38 @@ def _say(line: str) -> None:
         os.write(2, f"ttnpu-train: {line}\n".encode())
 
 
+def supervisor_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    with contextlib.suppress(OSError):  # where /proc exists: a zombie is gone
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return False
+
+
 def exit_with_supervisor(pid: int) -> None:
-    """Stop as on SIGTERM once ``pid`` is no longer this process's parent (the supervisor died and
-    the kernel re-parented this one), so no replica outlives its supervisor. A daemon thread polls
-    ``os.getppid()``: one code path on every POSIX system (Linux's ``PR_SET_PDEATHSIG`` is not
-    portable), which also catches a supervisor that died before this process started. The stop
-    may wait on a Lighthouse that died with the supervisor: after ``ORPHAN_GRACE_SECONDS`` the
-    process exits at once (status 1; the newest checkpoint stays valid)."""
+    """Stop as on SIGTERM once the supervisor ``pid`` has exited or this process's parent (the
+    supervisor, or the torchrun agent between them) has changed, so no replica outlives its
+    supervisor. A daemon thread polls: one code path on every POSIX system (Linux's
+    ``PR_SET_PDEATHSIG`` is not portable, and sees only the parent). The stop may wait on a
+    Lighthouse that died with the supervisor: after ``ORPHAN_GRACE_SECONDS`` the process exits at
+    once (status 1; the newest checkpoint stays valid), taking down the torchrun agent between
+    them first (it would restart the process)."""
+    parent = os.getppid()
 
     def watch() -> None:
-        while os.getppid() == pid:
+        while os.getppid() == parent and not supervisor_gone(pid):
             time.sleep(0.5)
         _say(f"the supervisor (pid {pid}) is gone; stopping")
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(ORPHAN_GRACE_SECONDS)
         _say(f"not stopped {ORPHAN_GRACE_SECONDS:.0f} s after the supervisor vanished; exiting")
+        if parent != pid and os.getppid() == parent:  # a torchrun agent, which would restart it
+            os.kill(parent, signal.SIGTERM)
         os._exit(1)
 
     threading.Thread(target=watch, name="ttnpu-supervisor-watch", daemon=True).start()
@@ -207,6 +233,20 @@ def _new_run_folder(parent: Path, name: str | None) -> Path:
         run.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"--dump_folder {parent}: cannot create the run folder ({err})") from err
+    return run
+
+
+def _restarted_run(parent: Path, name: str | None) -> Path | None:
+    """The run folder this process trained in before torchelastic restarted it (the same command,
+    so the same ``--run-name``); None on a first start."""
+    from .launcher import restart_count
+
+    if (restarts := restart_count()) == 0 or name is None:
+        return None
+    run = parent / name
+    if not (run / _COMMAND_FILE).is_file():  # it died before its run had started
+        return None
+    _say(f"restarted by torchelastic (restart {restarts}); rejoining in {run}")
     return run
 
 
@@ -253,6 +293,11 @@ def _plan(
             f"--replicas {args.replicas} must be >= 1 and --min-replicas {args.min_replicas} "
             f"in [1, replicas]"
         )
+    if args.max_restarts is not None and (args.max_restarts < 0 or args.replicas == 1):
+        raise UsageError(
+            f"--max-restarts {args.max_restarts}: needs --replicas >= 2 and a value >= 0 (one "
+            "replica group under torchrun: give --max-restarts to torchrun)"
+        )
     layout = {"replicas": args.replicas, "min_replicas": args.min_replicas}
     if args.resume is None:
         return args.config or DEFAULT_CONFIG, _ac_choice_last(overrides), None, layout
@@ -276,6 +321,9 @@ def _plan(
 def _run(argv: Sequence[str], signals: StopSignals) -> int:
     args, overrides = _parser().parse_known_args(argv)
     if args.supervisor_pid is not None:
+        if supervisor_gone(args.supervisor_pid):  # e.g. torchelastic restarted an orphan
+            _say(f"the supervisor (pid {args.supervisor_pid}) is gone; not starting")
+            return 0
         exit_with_supervisor(args.supervisor_pid)
     if not args.torchft_logs:
         os.environ.setdefault("RUST_LOG", "warn")  # read when torchft's native side loads
@@ -318,6 +366,8 @@ def _run(argv: Sequence[str], signals: StopSignals) -> int:
         else:
             newest_verified_checkpoint(checkpoints, allow_unverified=allow)
         run = resume
+    elif (rejoined := _restarted_run(Path(config.dump_folder), args.run_name)) is not None:
+        run = resume = rejoined  # the checkpointer loads its newest verified checkpoint, if any
     else:
         run = _new_run_folder(Path(config.dump_folder), args.run_name)
     config.dump_folder = str(run)
@@ -463,7 +513,7 @@ def _launch(
     new_overrides: list[str],
 ) -> int:
     """``--replicas N``: a run folder holding one sub-folder per replica group."""
-    from .launcher import launch_replicas
+    from .launcher import DEFAULT_MAX_RESTARTS, launch_replicas
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError(
@@ -489,7 +539,8 @@ def _launch(
             for i in range(replicas)
         ]  # fmt: skip
     print(f"ttnpu-train: {config_name} x {replicas} replicas -> run folder {run}", flush=True)
-    return launch_replicas(run, replicas, layout["min_replicas"], children)
+    restarts = DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts
+    return launch_replicas(run, replicas, layout["min_replicas"], children, restarts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

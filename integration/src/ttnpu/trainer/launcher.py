@@ -1,20 +1,23 @@
 """``ttnpu-train --replicas N``: N replica groups on one host, around an embedded Lighthouse.
 
-Each replica group is its own ``ttnpu-train`` process (one rank), training in the run folder's
-``replica_<i>/`` with ``--fault_tolerance.enable``. When one dies the others go on; a restarted
-one (``ttnpu-train --resume <run>/replica_<i> --fault_tolerance.lighthouse <address>``) rejoins and
-heals from a live one. On a cluster, start ``torchft_lighthouse`` yourself and run each replica
-group under torchrun with ``TORCHFT_LIGHTHOUSE`` set and ``--fault_tolerance.enable``.
+Each replica group runs under torchrun's elastic agent (``torch.distributed.run --standalone
+--max-restarts K``): a replica that dies is restarted by torchelastic with the same command, into
+the same ``replica_<i>/`` folder, and rejoins the next quorum, healing from a live replica (the CLI
+sees ``TORCHELASTIC_RESTART_COUNT`` and resumes there). The supervisor reports each restart as it
+sees the new process, and the restarted replica records it in its ``steps.jsonl`` (the ``start``
+event's ``restart``). On a cluster, start ``torchft_lighthouse`` yourself and run each replica
+group under torchrun with ``--fault_tolerance.lighthouse`` and ``--fault_tolerance.enable``.
 
 SIGTERM and SIGINT to the supervisor are forwarded to every replica, which agree on a step, stop
-after it with a checkpoint and exit 0; replicas not gone ``STOP_GRACE_SECONDS`` later are
-killed. The replicas run in their own process group (a Ctrl-C in the terminal reaches them once,
-forwarded) and watch the supervisor's pid (``--supervisor-pid``): a supervisor that vanished
-(SIGKILL) leaves no replica behind.
+after it with a checkpoint and exit 0 (and so does its agent); replicas not gone
+``STOP_GRACE_SECONDS`` later are killed. Agents and replicas run outside the terminal's process
+group (a Ctrl-C reaches them once, forwarded) and the replicas watch the supervisor's pid
+(``--supervisor-pid``): a supervisor that vanished (SIGKILL) leaves no process behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -26,11 +29,21 @@ from pathlib import Path
 
 from ttnpu.ft import EmbeddedLighthouse
 
-__all__ = ["STOP_GRACE_SECONDS", "launch_replicas", "replica_args", "wait_at_start_barrier"]
+__all__ = [
+    "DEFAULT_MAX_RESTARTS",
+    "STOP_GRACE_SECONDS",
+    "elastic_agent",
+    "launch_replicas",
+    "replica_args",
+    "restart_count",
+    "wait_at_start_barrier",
+]
 
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 STOP_GRACE_SECONDS = 300.0
 """How long replicas asked to stop may take (a step and a checkpoint) before they are killed."""
+DEFAULT_MAX_RESTARTS = 3
+"""How often torchelastic restarts a dead replica (``--max-restarts``) before it stays down."""
 
 
 def replica_args(
@@ -74,45 +87,75 @@ def launch_replicas(
     replicas: int,
     min_replicas: int,
     child_args: Sequence[Sequence[str]],
+    max_restarts: int = DEFAULT_MAX_RESTARTS,
 ) -> int:
-    """Start the Lighthouse and one process per entry of ``child_args`` (``ttnpu-train``
-    arguments, to which the replica overrides are appended); wait for all, forwarding SIGTERM and
-    SIGINT. Returns 0 when every replica finished or stopped on request, else the first non-zero
-    exit status."""
+    """Start the Lighthouse and, per entry of ``child_args`` (``ttnpu-train`` arguments, to which
+    the replica overrides are appended), a torchrun agent restarting its replica up to
+    ``max_restarts`` times; wait for all, reporting restarts and forwarding SIGTERM and SIGINT.
+    Returns 0 when every replica finished or stopped on request, else the first non-zero exit
+    status."""
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
     barrier = run / ".start"
     shutil.rmtree(barrier, ignore_errors=True)
-    procs: list[subprocess.Popen[bytes]] = []
-    stop = _Forwarder(procs)
+    agents: list[subprocess.Popen[bytes]] = []
+    supervisor = _Supervisor(agents)
     with EmbeddedLighthouse(min_replicas=min_replicas, join_timeout_ms=30_000) as lighthouse:
         print(f"ttnpu-train: Lighthouse at {lighthouse.address}", flush=True)
         try:
             for i, args in enumerate(child_args):
                 cmd = [
-                    sys.executable, "-m", "ttnpu.trainer.cli", *args,
+                    *elastic_agent(max_restarts), "-m", "ttnpu.trainer.cli", *args,
                     "--supervisor-pid", str(os.getpid()),
                     *replica_args(i, replicas, min_replicas, lighthouse.address, barrier),
                 ]  # fmt: skip
-                procs.append(subprocess.Popen(cmd, env=env, process_group=0))
-            codes = stop.wait()
+                agents.append(subprocess.Popen(cmd, env=env, process_group=0))
+            codes = supervisor.wait()
         finally:
-            stop.kill_all()
-            stop.close()
-    done = "stopped" if stop.signals else "finished"
+            supervisor.kill_all()
+            supervisor.close()
+    done = "stopped" if supervisor.signals else "finished"
     for i, code in enumerate(codes):
         state = done if code == 0 else f"exited with status {code}"
-        print(f"ttnpu-train: replica {i} {state} ({run / f'replica_{i}'})", flush=True)
+        restarts = f" after {supervisor.restarts[i]} restart(s)" if supervisor.restarts[i] else ""
+        print(f"ttnpu-train: replica {i} {state}{restarts} ({run / f'replica_{i}'})", flush=True)
     return next((code for code in codes if code != 0), 0)
 
 
-class _Forwarder:
-    """The supervisor's SIGTERM/SIGINT handler: each signal goes on to every live replica (a
-    second SIGINT too: it makes them exit at once); replicas still alive ``STOP_GRACE_SECONDS``
-    after the first are killed."""
+def elastic_agent(max_restarts: int) -> list[str]:
+    """torchrun for one replica group of one rank on this host: its own rendezvous
+    (``--standalone``), a dead worker restarted up to ``max_restarts`` times, checked every
+    half second."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+        "--max-restarts", str(max_restarts), "--monitor-interval", "0.5",
+    ]  # fmt: skip
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
-        self.procs = procs
+
+def restart_count() -> int:
+    """How often torchelastic has restarted this process (0 on a first start or without it)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _workers(agent: int) -> list[int]:
+    """The processes ``agent`` started (its replica), from /proc; [] where there is none."""
+    try:
+        tasks = list(Path(f"/proc/{agent}/task").iterdir())
+        return sorted(int(c) for t in tasks for c in (t / "children").read_text().split())
+    except (OSError, ValueError):
+        return []
+
+
+class _Supervisor:
+    """Watches the agents: reports each restart of a replica (a new worker process) as it sees
+    it, and forwards SIGTERM/SIGINT to every live replica (a second SIGINT to the agents too: it
+    makes them exit at once, with no restart); replicas still alive ``STOP_GRACE_SECONDS``
+    after the first signal are killed."""
+
+    def __init__(self, agents: list[subprocess.Popen[bytes]]) -> None:
+        self.agents = agents
         self.signals: list[str] = []
+        self.restarts: list[int] = []
+        self._seen: list[list[int]] = []
         self._deadline = float("inf")
         self._previous = {
             s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGINT)
@@ -123,14 +166,37 @@ class _Forwarder:
         if not self.signals:
             self._deadline = time.monotonic() + STOP_GRACE_SECONDS
             os.write(1, f"ttnpu-train: {name}: asking the replicas to stop\n".encode())
+        again = bool(self.signals)
         self.signals.append(name)
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
+        for agent in self.agents:
+            if agent.poll() is None:
+                workers = _workers(agent.pid)
+                for pid in workers:
+                    _signal(pid, signum)
+                if again or not workers:  # or a replica between two lives: its agent stops it
+                    agent.send_signal(signum)
+
+    def _watch(self) -> None:
+        while len(self._seen) < len(self.agents):
+            self._seen.append([])
+            self.restarts.append(0)
+        for i, agent in enumerate(self.agents):
+            workers = _workers(agent.pid) if agent.poll() is None else []
+            if not workers or workers == self._seen[i]:
+                continue
+            if self._seen[i]:
+                self.restarts[i] += 1
+                print(
+                    f"ttnpu-train: replica {i} died (pid {self._seen[i][0]}); torchelastic "
+                    f"restarted it (pid {workers[0]}, restart {self.restarts[i]})",
+                    flush=True,
+                )
+            self._seen[i] = workers
 
     def wait(self) -> list[int]:
-        """Every replica's exit status, once all have exited."""
-        while any(proc.poll() is None for proc in self.procs):
+        """Every agent's exit status, once all have exited."""
+        while any(agent.poll() is None for agent in self.agents):
+            self._watch()
             if time.monotonic() > self._deadline:
                 print(
                     f"ttnpu-train: replicas still running {STOP_GRACE_SECONDS:.0f} s after "
@@ -139,14 +205,22 @@ class _Forwarder:
                 )
                 self.kill_all()
             time.sleep(0.2)
-        return [proc.wait() for proc in self.procs]
+        return [agent.wait() for agent in self.agents]
 
     def close(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
     def kill_all(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        """SIGKILL every replica, then its agent (which would restart it)."""
+        for agent in self.agents:
+            if agent.poll() is None:
+                for pid in _workers(agent.pid):
+                    _signal(pid, signal.SIGKILL)
+                agent.kill()
+                agent.wait()
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+        os.kill(pid, signum)

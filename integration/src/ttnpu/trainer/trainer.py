@@ -21,6 +21,7 @@ it (:attr:`DSV4Trainer.stopped` says how it went).
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -47,7 +48,7 @@ from .features import (
     SilentDataCorruption,
     SpikeRecovery,
 )
-from .launcher import wait_at_start_barrier
+from .launcher import restart_count, wait_at_start_barrier
 from .platform import Platform, activate, detect
 from .sdc_guard import SDCGuard
 from .spikes import Batch, SpikeGuard
@@ -478,7 +479,12 @@ class DSV4Trainer(Trainer):
         logger.info(f"Training starts at step {self.step + 1}")
         superseded = self.step_log.supersede_after(self.step)
         self.step_log.write(
-            event="start", step=self.step, replica=self.replica_id, superseded=superseded
+            event="start",
+            step=self.step,
+            replica=self.replica_id,
+            superseded=superseded,
+            restart=restart_count(),  # > 0: torchelastic restarted this replica
+            pid=os.getpid(),
         )
         schedule = self.spikes.schedule(self.dataloader, self.step)
         with config.profiler.build(

@@ -33,6 +33,7 @@ SCENARIO_NAMES = (
     "replica-exit",
     "replica-rejoin",
     "kill-storm",
+    "replica-restart",
     "sdc",
     "loss-spike",
 )

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -21,8 +22,12 @@ from typing import Any
 
 import torch
 
+from ttnpu.trainer.launcher import STOP_GRACE_SECONDS
+from ttnpu.trainer.steplog import read_step_log
+
 from .result import Curve, Figure, Marker, ScenarioResult, Span
 from .runner import (
+    SMALL,
     TOKENS_PER_STEP,
     DrillError,
     TrainProcess,
@@ -50,6 +55,7 @@ class Sizes:
     kill_alone_steps: int = 5
     kill_checkpoint_interval: int = 10
     storm_kills: int = 3
+    restart_kills: int = 3
     sdc_steps: int = 8
     sdc_flips: tuple[tuple[int, int], ...] = ((3, 30), (4, 27), (5, 25), (6, 23), (7, 22))
     campaign: tuple[int, int, int, int, int] = (2000, 2000, 300, 500, 500)
@@ -63,6 +69,7 @@ class Sizes:
             kill_alone_steps=3,
             kill_checkpoint_interval=4,
             storm_kills=1,
+            restart_kills=1,
             sdc_steps=5,
             sdc_flips=((3, 30),),
             campaign=(300, 300, 40, 100, 100),
@@ -516,6 +523,136 @@ def kill_storm(drill: Drill) -> ScenarioResult:
     )
 
 
+# -- a supervised job restarts its replicas ----------------------------------------------------
+def _start_event(records: list[dict[str, Any]], restart: int) -> dict[str, Any] | None:
+    return next((r for r in records if r.get("event") == "start" and r["restart"] == restart), None)
+
+
+def _heal_after(records: list[dict[str, Any]], since: float) -> dict[str, Any] | None:
+    return next((r for r in records if r.get("event") == "heal" and r["time"] > since), None)
+
+
+def replica_restart(drill: Drill) -> ScenarioResult:
+    """``ttnpu-train --replicas 2``: replica 1's process is SIGKILLed N times; each time
+    torchelastic restarts it, it heals from replica 0 and both train on; then SIGTERM to the
+    supervisor stops both at one checkpointed step."""
+    dump = drill.runs("replica-restart")
+    dump.mkdir(parents=True, exist_ok=True)
+    kills = drill.sizes.restart_kills
+    cmd = [sys.executable, "-m", "ttnpu.trainer.cli", "--dump_folder", str(dump),
+           "--run-name", "job", "--replicas", "2", "--max-restarts", str(kills),
+           *SMALL, *_kill_args(drill)]  # fmt: skip
+    log = dump / "job.log"
+    with log.open("wb") as out:
+        job = TrainProcess(
+            "job",
+            dump / "job",
+            subprocess.Popen(cmd, env=environment(), stdout=out, stderr=subprocess.STDOUT),
+            log,
+        )
+    replicas = [job.folder / f"replica_{i}" / "steps.jsonl" for i in range(2)]
+
+    def records(i: int) -> list[dict[str, Any]]:
+        return read_step_log(replicas[i])
+
+    def joint_after(step: int, count: int) -> bool:
+        done = [r for r in records(1) if "event" not in r and r["participants"] == 2]
+        return len([r for r in done if r["step"] > step]) >= count
+
+    killed: list[dict[str, Any]] = []
+    try:
+        wait_for("3 joint steps", lambda: joint_after(0, 3), [job], timeout=600)
+        for restart in range(kills):
+            victim = _start_event(records(1), restart)
+            if victim is None:
+                raise DrillError(f"replica 1 has no start event of restart {restart}")
+            os.kill(victim["pid"], signal.SIGKILL)
+            at, step = time.time(), max(r["step"] for r in records(1) if "event" not in r)
+            back = wait_for(
+                f"restart {restart + 1}",
+                functools.partial(lambda r: _start_event(records(1), r), restart + 1),
+                [job],
+                timeout=600,
+            )
+            heal = wait_for(
+                f"the heal after restart {restart + 1}",
+                functools.partial(lambda t: _heal_after(records(1), t), back["time"]),
+                [job],
+                timeout=600,
+            )
+            wait_for("2 joint steps", functools.partial(joint_after, heal["step"], 2), [job], 600)
+            killed.append({"at": at, "step": step, "back": back, "heal": heal})
+        job.proc.send_signal(signal.SIGTERM)
+        status = job.wait(timeout=STOP_GRACE_SECONDS)
+    finally:
+        job.kill()
+    stops = [[r for r in records(i) if r.get("event") == "stop"] for i in range(2)]
+    stopped = [s[0]["step"] if s else None for s in stops]
+    current = [
+        [r for r in records(i) if "event" not in r and not r.get("superseded")] for i in range(2)
+    ]
+    steps0 = [r["step"] for r in current[0]]
+    last = stopped[0] or 0
+    lost = sorted(set(range(1, last + 1)) - set(steps0)) + sorted(
+        {s for s in steps0 if steps0.count(s) > 1}
+    )
+    equal = total = 0
+    if stopped[0] is not None and stopped[0] == stopped[1]:
+        scratch = dump / "scratch"
+        weights = [
+            model_weights(job.folder / f"replica_{i}" / "checkpoint" / f"step-{last}", scratch)
+            for i in range(2)
+        ]
+        equal = sum(
+            k in weights[1] and torch.equal(v, weights[1][k]) for k, v in weights[0].items()
+        )
+        total = len(weights[0])
+    reported = log.read_text(errors="replace").count("torchelastic restarted it")
+    markers = [Marker(k["step"], f"kill {i + 1}") for i, k in enumerate(killed)]
+    markers += [Marker(k["heal"]["step"], f"healed {i + 1}") for i, k in enumerate(killed)]
+    return ScenarioResult(
+        name="replica-restart",
+        summary=f"ttnpu-train --replicas 2 --max-restarts {kills}: replica 1's process is "
+        f"SIGKILLed {kills} time(s); torchelastic restarts it, it heals from replica 0 and "
+        "both train on; SIGTERM to the supervisor then stops both at one checkpointed step.",
+        figures={
+            "kills": len(killed),
+            "restarts_reported_by_the_supervisor": reported,
+            "killed_after_steps": [k["step"] for k in killed],
+            "restart_seconds": [round(k["back"]["time"] - k["at"], 1) for k in killed],
+            "healed_at_steps": [k["heal"]["step"] for k in killed],
+            "stopped_at_steps": stopped,
+            "exit_status": status,
+            "committed_steps_lost": lost,
+            "equal_model_tensors": f"{equal}/{total}",
+        },
+        checks={
+            "every kill was restarted and healed": len(killed) == kills,
+            "the supervisor reported each restart": reported == kills,
+            "the job exited 0": status == 0,
+            "both replicas stopped at one step": stopped[0] is not None
+            and stopped[0] == stopped[1],
+            "no committed step lost": not lost and last > 0,
+            "bit-identical weights at the stop": equal == total > 0,
+        },
+        notes=[
+            "restart_seconds: from the SIGKILL to the restarted process's start in training "
+            "(torchelastic notices within half a second; the rest is the new process's start-up: "
+            "Python, torch and the model).",
+        ],
+        plots=[
+            Figure(
+                "replica-restart",
+                "Replica 1 killed and restarted by torchelastic",
+                "step",
+                "training loss",
+                [_curve("replica 0", current[0]), _curve("replica 1", current[1])],
+                markers=markers,
+            )
+        ],
+    )
+
+
 # -- silent data corruption ---------------------------------------------------------------------
 def _campaign(drill: Drill) -> dict[str, Any]:
     matmul, clean, grad, comm, comm_clean = drill.sizes.campaign
@@ -820,6 +957,7 @@ SCENARIOS: dict[str, Callable[[Drill], ScenarioResult]] = {
     "replica-exit": replica_exit,
     "replica-rejoin": replica_rejoin,
     "kill-storm": kill_storm,
+    "replica-restart": replica_restart,
     "sdc": sdc,
     "loss-spike": loss_spike,
 }
