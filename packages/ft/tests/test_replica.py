@@ -285,6 +285,35 @@ def test_without_a_step_timeout_a_step_longer_than_the_collective_timeout_commit
             assert replica.recovery.total_recoveries == 0
 
 
+def test_a_collective_timeout_under_three_step_times_is_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with EmbeddedLighthouse(min_replicas=1) as lh:
+        model = torch.nn.Linear(4, 1)
+        config = ReplicaConfig(
+            replica_id=0,
+            lighthouse=lh.address,
+            device="cpu",
+            collective_timeout=timedelta(seconds=1),
+        )
+        with Replica(config, model, torch.optim.SGD(model.parameters(), lr=0.1)) as replica:
+
+            def step() -> None:
+                model(torch.randn(2, 4)).sum().backward()
+                time.sleep(0.4)  # 3 x 0.4 s > the 1 s timeout
+
+            warnings: list[list[str]] = []
+            for _ in range(4):
+                caplog.clear()
+                with caplog.at_level("WARNING", logger="ttnpu.ft.replica"):
+                    assert replica.run_step(step).committed
+                warnings.append([r.getMessage() for r in caplog.records])
+    assert warnings[:2] == [[], []]  # not judged on fewer than 3 steps
+    [message] = warnings[2]
+    assert message.startswith("collective_timeout 1.0 s is under 3x the median step time (0.4")
+    assert warnings[3] == []  # once
+
+
 def test_parameters_no_replica_has_a_gradient_for_stay_untouched_by_adamw() -> None:
     with EmbeddedLighthouse(min_replicas=1) as lh:
         torch.manual_seed(0)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -32,6 +34,10 @@ from ttnpu.ft.veto import CommitVeto
 __all__ = ["LRScheduler", "ReductionCheck", "Replica", "ReplicaConfig", "StepResult"]
 
 logger = logging.getLogger(__name__)
+
+# A collective waits for the slowest replica's forward and backward, so a timeout below a few
+# step times discards healthy steps whenever a host is loaded or a batch runs long.
+TIMEOUT_STEP_MULTIPLE = 3.0
 
 
 class LRScheduler(Stateful, Protocol):
@@ -199,6 +205,8 @@ class Replica:
             group_world_size=config.group_world_size,
             store=group_store,
         )
+        self._step_seconds: deque[float] = deque(maxlen=20)
+        self._timeout_warned = False
         self._closed = False
 
     def _load_snapshot(self, snapshot: Any) -> None:
@@ -310,6 +318,7 @@ class Replica:
         timings["vote_commit"] = time.perf_counter() - t2
         if committed:
             self.recovery.apply_update(lambda: self._update(before_update))
+            self._check_collective_timeout(time.perf_counter() - t0)
         else:
             self.recovery.discard()
         return StepResult(
@@ -322,6 +331,24 @@ class Replica:
             output=output,
             timings=timings,
         )
+
+    def _check_collective_timeout(self, seconds: float) -> None:
+        """Warn once when ``collective_timeout`` is under TIMEOUT_STEP_MULTIPLE times the median
+        committed step time (of the last 20, from the third on)."""
+        self._step_seconds.append(seconds)
+        if self._timeout_warned or len(self._step_seconds) < 3:
+            return
+        median = statistics.median(self._step_seconds)
+        timeout = self.config.collective_timeout.total_seconds()
+        if timeout < TIMEOUT_STEP_MULTIPLE * median:
+            self._timeout_warned = True
+            logger.warning(
+                "collective_timeout %.1f s is under %.0fx the median step time (%.2f s): a replica "
+                "that is only slow will have healthy steps discarded; raise collective_timeout",
+                timeout,
+                TIMEOUT_STEP_MULTIPLE,
+                median,
+            )
 
     def _update(self, before_update: Callable[[], None] | None) -> None:
         if before_update is not None:
