@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -264,30 +265,10 @@ def test_lighthouse_lifecycle() -> None:
         EmbeddedLighthouse(heartbeat_timeout_ms=0)
 
 
-def test_without_a_step_timeout_a_step_longer_than_the_collective_timeout_commits() -> None:
-    with EmbeddedLighthouse(min_replicas=1) as lh:
-        model = torch.nn.Linear(4, 1)
-        # step_timeout=None: no timer over forward/backward
-        config = ReplicaConfig(
-            replica_id=0,
-            lighthouse=lh.address,
-            device="cpu",
-            collective_timeout=timedelta(seconds=1),
-        )
-        with Replica(config, model, torch.optim.SGD(model.parameters(), lr=0.1)) as replica:
-
-            def slow_step() -> None:
-                model(torch.randn(2, 4)).sum().backward()
-                time.sleep(2.0)  # twice the collective timeout
-
-            result = replica.run_step(slow_step)
-            assert result.committed and not result.recovered and result.step == 1
-            assert replica.recovery.total_recoveries == 0
-
-
-def test_a_collective_timeout_under_three_step_times_is_warned_about_once(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+@contextlib.contextmanager
+def sleepy_replica(sleep_s: float) -> Iterator[tuple[Replica, Callable[[], None]]]:
+    """One replica group with a 1 s collective timeout and no step timer, and a step that sleeps
+    ``sleep_s`` after its backward."""
     with EmbeddedLighthouse(min_replicas=1) as lh:
         model = torch.nn.Linear(4, 1)
         config = ReplicaConfig(
@@ -300,14 +281,28 @@ def test_a_collective_timeout_under_three_step_times_is_warned_about_once(
 
             def step() -> None:
                 model(torch.randn(2, 4)).sum().backward()
-                time.sleep(0.4)  # 3 x 0.4 s > the 1 s timeout
+                time.sleep(sleep_s)
 
-            warnings: list[list[str]] = []
-            for _ in range(4):
-                caplog.clear()
-                with caplog.at_level("WARNING", logger="ttnpu.ft.replica"):
-                    assert replica.run_step(step).committed
-                warnings.append([r.getMessage() for r in caplog.records])
+            yield replica, step
+
+
+def test_without_a_step_timeout_a_step_longer_than_the_collective_timeout_commits() -> None:
+    with sleepy_replica(2.0) as (replica, slow_step):  # twice the collective timeout
+        result = replica.run_step(slow_step)
+        assert result.committed and not result.recovered and result.step == 1
+        assert replica.recovery.total_recoveries == 0
+
+
+def test_a_collective_timeout_under_three_step_times_is_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    warnings: list[list[str]] = []
+    with sleepy_replica(0.4) as (replica, step):  # 3 x 0.4 s > the 1 s timeout
+        for _ in range(4):
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="ttnpu.ft.replica"):
+                assert replica.run_step(step).committed
+            warnings.append([r.getMessage() for r in caplog.records])
     assert warnings[:2] == [[], []]  # not judged on fewer than 3 steps
     [message] = warnings[2]
     assert message.startswith("collective_timeout 1.0 s is under 3x the median step time (0.4")
