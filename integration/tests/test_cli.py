@@ -170,6 +170,22 @@ def test_a_replica_restarted_by_torchelastic_rejoins_its_run_folder(
     assert _restarted_run(run.parent, "died-before-its-start") is None
 
 
+def test_a_replica_that_left_the_job_is_not_restarted_into_it(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its torchelastic restart exits 0 at once (which ends the agent) and changes nothing."""
+    from ttnpu.trainer.launcher import left_status, record_left
+
+    run = _run_folder(tmp_path)
+    assert left_status(run) is None
+    record_left(run, 3)
+    before = _snapshot(run)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert main(["--dump_folder", str(run.parent), "--run-name", run.name]) == 0
+    assert "this replica left the job (status 3)" in capfd.readouterr().err
+    assert _snapshot(run) == before and left_status(run) == 3
+
+
 def test_a_supervisor_that_exited_is_gone_even_before_it_is_reaped() -> None:
     from ttnpu.trainer.cli import supervisor_gone
 

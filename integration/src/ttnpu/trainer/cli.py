@@ -28,7 +28,9 @@ by ``--replicas`` to its replicas) stops the process the same way when that supe
 
 Exit status: 0 when training finished or stopped on request; 2 for a bad command line, config or
 checkpoint; 3 (``EXIT_PERSISTENT_SDC``) for a replica taken out by a persistent silent data
-corruption; 4 (``EXIT_SPLIT_BRAIN``) for a replica group whose weights differ from the majority's;
+corruption; 4 (``EXIT_SPLIT_BRAIN``) for a replica group whose weights differ from the majority's
+(both recorded in the run folder's ``left.json``, so a torchelastic restart does not bring the
+replica back);
 1 for a replica whose supervisor vanished and that could not stop within
 ``ORPHAN_GRACE_SECONDS``; 130 for a second SIGINT.
 """
@@ -370,6 +372,12 @@ def _run(argv: Sequence[str], signals: StopSignals) -> int:
         run = resume = rejoined  # the checkpointer loads its newest verified checkpoint, if any
     else:
         run = _new_run_folder(Path(config.dump_folder), args.run_name)
+    from .launcher import LEFT_FILE, left_status, restart_count
+
+    if restart_count() and (status := left_status(run)) is not None:
+        _say(f"this replica left the job (status {status}); torchelastic's restart ends here")
+        return 0  # its agent succeeds and stops restarting it
+    (run / LEFT_FILE).unlink(missing_ok=True)  # started anew: it may train again
     config.dump_folder = str(run)
     if not sys.stdout.isatty():
         config.metrics.disable_color_printing = True
@@ -391,7 +399,13 @@ def _run(argv: Sequence[str], signals: StopSignals) -> int:
             json.dumps({"config": config_name, "overrides": overrides}, indent=2) + "\n"
         )
     signals.attach(trainer)
-    return _train(trainer)
+    status = _train(trainer)
+    from .features import EXIT_PERSISTENT_SDC, EXIT_SPLIT_BRAIN
+    from .launcher import record_left
+
+    if status in (EXIT_PERSISTENT_SDC, EXIT_SPLIT_BRAIN):
+        record_left(run, status)  # not to be restarted into the job
+    return status
 
 
 def _train(trainer: Any) -> int:

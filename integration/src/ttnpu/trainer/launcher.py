@@ -5,8 +5,11 @@ Each replica group runs under torchrun's elastic agent (``torch.distributed.run 
 the same ``replica_<i>/`` folder, and rejoins the next quorum, healing from a live replica (the CLI
 sees ``TORCHELASTIC_RESTART_COUNT`` and resumes there). The supervisor reports each restart as it
 sees the new process, and the restarted replica records it in its ``steps.jsonl`` (the ``start``
-event's ``restart``). On a cluster, start ``torchft_lighthouse`` yourself and run each replica
-group under torchrun with ``--fault_tolerance.lighthouse`` and ``--fault_tolerance.enable``.
+event's ``restart``). A replica that leaves the job on purpose (a persistent silent data
+corruption, split brain) records its exit status in ``left.json`` and is not brought back: its
+restart exits 0 at once, which ends its agent, and the supervisor reports that status. On a
+cluster, start ``torchft_lighthouse`` yourself and run each replica group under torchrun with
+``--fault_tolerance.lighthouse`` and ``--fault_tolerance.enable``.
 
 SIGTERM and SIGINT to the supervisor are forwarded to every replica, which agree on a step, stop
 after it with a checkpoint and exit 0 (and so does its agent); replicas not gone
@@ -18,6 +21,7 @@ group (a Ctrl-C reaches them once, forwarded) and the replicas watch the supervi
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -31,9 +35,12 @@ from ttnpu.ft import EmbeddedLighthouse
 
 __all__ = [
     "DEFAULT_MAX_RESTARTS",
+    "LEFT_FILE",
     "STOP_GRACE_SECONDS",
     "elastic_agent",
     "launch_replicas",
+    "left_status",
+    "record_left",
     "replica_args",
     "restart_count",
     "wait_at_start_barrier",
@@ -44,6 +51,8 @@ STOP_GRACE_SECONDS = 300.0
 """How long replicas asked to stop may take (a step and a checkpoint) before they are killed."""
 DEFAULT_MAX_RESTARTS = 3
 """How often torchelastic restarts a dead replica (``--max-restarts``) before it stays down."""
+LEFT_FILE = "left.json"
+"""In a replica's run folder: the exit status with which it left the job on purpose."""
 
 
 def replica_args(
@@ -98,7 +107,8 @@ def launch_replicas(
     barrier = run / ".start"
     shutil.rmtree(barrier, ignore_errors=True)
     agents: list[subprocess.Popen[bytes]] = []
-    supervisor = _Supervisor(agents)
+    folders = [run / f"replica_{i}" for i in range(len(child_args))]
+    supervisor = _Supervisor(agents, folders)
     with EmbeddedLighthouse(min_replicas=min_replicas, join_timeout_ms=30_000) as lighthouse:
         print(f"ttnpu-train: Lighthouse at {lighthouse.address}", flush=True)
         try:
@@ -109,7 +119,9 @@ def launch_replicas(
                     *replica_args(i, replicas, min_replicas, lighthouse.address, barrier),
                 ]  # fmt: skip
                 agents.append(subprocess.Popen(cmd, env=env, process_group=0))
-            codes = supervisor.wait()
+            codes = [
+                left_status(f) or code for f, code in zip(folders, supervisor.wait(), strict=True)
+            ]
         finally:
             supervisor.kill_all()
             supervisor.close()
@@ -136,6 +148,21 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def record_left(run: Path, status: int) -> None:
+    """Record in ``run`` that this replica leaves the job with ``status`` (atomically)."""
+    partial = run / f".{LEFT_FILE}.{os.getpid()}"
+    partial.write_text(json.dumps({"status": status}) + "\n")
+    partial.replace(run / LEFT_FILE)
+
+
+def left_status(run: Path) -> int | None:
+    """The status the replica in ``run`` left the job with; None if it did not leave."""
+    try:
+        return int(json.loads((run / LEFT_FILE).read_text())["status"])
+    except FileNotFoundError:
+        return None
+
+
 def _workers(agent: int) -> list[int]:
     """The processes ``agent`` started (its replica), from /proc; [] where there is none."""
     try:
@@ -149,10 +176,13 @@ class _Supervisor:
     """Watches the agents: reports each restart of a replica (a new worker process) as it sees
     it, and forwards SIGTERM/SIGINT to every live replica (a second SIGINT to the agents too: it
     makes them exit at once, with no restart); replicas still alive ``STOP_GRACE_SECONDS``
-    after the first signal are killed."""
+    after the first signal are killed. A replica that left the job (``left.json`` in its folder)
+    is reported once, not as restarted."""
 
-    def __init__(self, agents: list[subprocess.Popen[bytes]]) -> None:
+    def __init__(self, agents: list[subprocess.Popen[bytes]], folders: list[Path]) -> None:
         self.agents = agents
+        self.folders = folders
+        self._left: set[int] = set()
         self.signals: list[str] = []
         self.restarts: list[int] = []
         self._seen: list[list[int]] = []
@@ -181,10 +211,13 @@ class _Supervisor:
             self._seen.append([])
             self.restarts.append(0)
         for i, agent in enumerate(self.agents):
+            if i not in self._left and (status := left_status(self.folders[i])) is not None:
+                self._left.add(i)
+                print(f"ttnpu-train: replica {i} left the job (status {status})", flush=True)
             workers = _workers(agent.pid) if agent.poll() is None else []
             if not workers or workers == self._seen[i]:
                 continue
-            if self._seen[i]:
+            if self._seen[i] and i not in self._left:
                 self.restarts[i] += 1
                 print(
                     f"ttnpu-train: replica {i} died (pid {self._seen[i][0]}); torchelastic "
