@@ -635,11 +635,6 @@ def replica_restart(drill: Drill) -> ScenarioResult:
             "no committed step lost": not lost and last > 0,
             "bit-identical weights at the stop": equal == total > 0,
         },
-        notes=[
-            "restart_seconds: from the SIGKILL to the restarted process's start in training "
-            "(torchelastic notices within half a second; the rest is the new process's start-up: "
-            "Python, torch and the model).",
-        ],
         plots=[
             Figure(
                 "replica-restart",
@@ -648,7 +643,16 @@ def replica_restart(drill: Drill) -> ScenarioResult:
                 "training loss",
                 [_curve("replica 0", current[0]), _curve("replica 1", current[1])],
                 markers=markers,
+                spans=[Span(k["step"], k["heal"]["step"], "replica 1 down") for k in killed],
             )
+        ],
+        notes=[
+            "restart_seconds: from the SIGKILL to the restarted process's start in training "
+            "(torchelastic notices within half a second; the rest is the new process's start-up: "
+            "Python, torch and the model).",
+            "Replica 1's curve shows its last life only: a restart resumes from its newest "
+            "checkpoint, which marks its later records superseded, before it heals to the live "
+            "step (its losses were replica 0's, averaged).",
         ],
     )
 
