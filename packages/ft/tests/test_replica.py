@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 from ttnpu.ft import (
     CpuAdapter,
@@ -307,6 +309,16 @@ def test_a_collective_timeout_under_three_step_times_is_warned_about_once(
     [message] = warnings[2]
     assert message.startswith("collective_timeout 1.0 s is under 3x the median step time (0.4")
     assert warnings[3] == []  # once
+
+
+def test_a_replica_gives_the_others_its_host_name_for_its_store_not_localhost() -> None:
+    """Replicas on other hosts rendezvous through this store when this replica leads a quorum."""
+    with sleepy_replica(0.0) as (replica, _):
+        host, port = replica.store_address.rsplit(":", 1)
+        assert host == socket.gethostname() != "localhost"
+        peer = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        peer.set("from-a-peer", "reached")
+        assert replica._store is not None and replica._store.get("from-a-peer") == b"reached"
 
 
 def test_parameters_no_replica_has_a_gradient_for_stay_untouched_by_adamw() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import statistics
 import time
 from collections import deque
@@ -151,8 +152,13 @@ class Replica:
         self._store: TCPStore | None = None
         store_addr, store_port = config.store_addr, config.store_port
         if store_addr is None or store_port is None:
+            # It listens on every interface; the others are given this host's name (as torchft's
+            # Manager gives its own address), since "localhost" names their own host, not this one.
             self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-            store_addr, store_port = "localhost", self._store.port
+            store_addr, store_port = socket.gethostname(), self._store.port
+        self.store_address = f"{store_addr}:{store_port}"
+        """Where the other replicas reach this group's store (a cross-replica process group's
+        rendezvous, when this replica leads the quorum)."""
         self.heals = 0
         self.last_heal_seconds = 0.0
         self.last_heal_bytes = 0
