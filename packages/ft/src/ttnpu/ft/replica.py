@@ -341,8 +341,10 @@ class Replica:
     def _check_collective_timeout(self, seconds: float) -> None:
         """Warn once when ``collective_timeout`` is under TIMEOUT_STEP_MULTIPLE times the median
         committed step time (of the last 20, from the third on)."""
+        if self._timeout_warned:
+            return
         self._step_seconds.append(seconds)
-        if self._timeout_warned or len(self._step_seconds) < 3:
+        if len(self._step_seconds) < 3:
             return
         median = statistics.median(self._step_seconds)
         timeout = self.config.collective_timeout.total_seconds()
