@@ -186,6 +186,47 @@ def test_a_replica_that_left_the_job_is_not_restarted_into_it(
     assert _snapshot(run) == before and left_status(run) == 3
 
 
+def test_a_lighthouse_address_needs_replicas_and_must_answer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--lighthouse", "http://127.0.0.1:1"]) == 2
+    assert "--lighthouse http://127.0.0.1:1: needs --replicas >= 2" in capsys.readouterr().err
+    args = ["--replicas", "2", "--lighthouse", "http://127.0.0.1:1", "--dump_folder", str(tmp_path)]
+    assert main(args) == 2
+    assert "--lighthouse: cannot reach the Lighthouse at http://127.0.0.1:1" in (
+        capsys.readouterr().err
+    )
+
+
+def test_the_supervisor_restarts_a_dead_lighthouse_up_to_max_restarts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from ttnpu.ft import LighthouseProcess, check_lighthouse
+    from ttnpu.trainer.launcher import _Supervisor
+
+    def kill(lighthouse: LighthouseProcess) -> None:
+        os.kill(lighthouse.pid or 0, signal.SIGKILL)
+        while lighthouse.poll() is None:
+            time.sleep(0.02)
+
+    with LighthouseProcess() as lighthouse:
+        supervisor = _Supervisor([], [], lighthouse, max_restarts=1)
+        try:
+            first = lighthouse.pid
+            kill(lighthouse)
+            supervisor._watch()
+            assert lighthouse.pid != first and check_lighthouse(lighthouse.address)
+            assert "the Lighthouse died (status -9); restarted at" in capsys.readouterr().out
+            kill(lighthouse)
+            supervisor._watch()
+            supervisor._watch()  # reported once
+            assert lighthouse.poll() == -9
+            out = capsys.readouterr().out
+            assert out.count("after 1 restart(s); not restarted") == 1
+        finally:
+            supervisor.close()
+
+
 def test_a_supervisor_that_exited_is_gone_even_before_it_is_reaped() -> None:
     from ttnpu.trainer.cli import supervisor_gone
 
@@ -209,21 +250,23 @@ def test_replicas_under_torchrun_are_refused(
 
 @pytest.mark.parametrize(
     ("error", "status"),
-    [("persistent", 3), ("split brain", 4)],
+    [("persistent", 3), ("split brain", 4), ("no Lighthouse", 5)],
 )
 def test_a_replica_taken_out_exits_with_its_status_and_one_line(
     error: str, status: int, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ttnpu.ft import SplitBrainError
+    from ttnpu.ft import LighthouseUnreachable, SplitBrainError
     from ttnpu.trainer import PersistentSDCError
     from ttnpu.trainer.cli import _train
+
+    kinds = {"persistent": PersistentSDCError, "split brain": SplitBrainError}
 
     class Trainer:
         closed = False
         stopped = None
 
         def train(self) -> None:
-            raise (PersistentSDCError if error == "persistent" else SplitBrainError)(error)
+            raise kinds.get(error, LighthouseUnreachable)(error)
 
         def close(self) -> None:
             self.closed = True

@@ -189,6 +189,11 @@ def test_every_scenario_runs_quick_and_its_figures_hold(tmp_path: Path) -> None:
     assert restart["exit_status"] == 0 and restart["committed_steps_lost"] == []
     equal, total = restart["equal_model_tensors"].split("/")
     assert equal == total and int(total) > 0
+    # a killed Lighthouse is restarted and training goes on; one kept down ends the job cleanly
+    lost = figures["lighthouse-loss"]
+    assert lost["lighthouse_restarts_reported"] == 1 and lost["committed_steps_lost"] == []
+    assert lost["exit_status"] == 0 and lost["kept_down_exit_status"] == 5
+    assert len(lost["kept_down_exit_lines"]) == 2
     # nothing corrupted is committed, every large flip is caught
     sdc = figures["sdc"]
     assert sdc["in_training"]["corrupted_steps_committed"] == 0
@@ -200,7 +205,7 @@ def test_every_scenario_runs_quick_and_its_figures_hold(tmp_path: Path) -> None:
     assert not spike["recurred"]
     plots = [p["name"] for s in scenarios.values() for p in s["plots"]]
     assert all((out / f"{name}.png").stat().st_size > 10_000 for name in plots)
-    assert len(plots) == 9
+    assert len(plots) == 10
 
 
 def finished_process(folder: Path, name: str, steps: list[int]) -> TrainProcess:

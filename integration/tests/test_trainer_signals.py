@@ -9,6 +9,7 @@ killed with SIGKILL leaves no replica behind either.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,6 +86,21 @@ def _replicas_of(supervisor: int) -> list[int]:
     return pids
 
 
+def _lighthouse_of(run: Path) -> int:
+    """The pid of the Lighthouse the supervisor started (from its first lines)."""
+    found = re.search(r"Lighthouse at \S+ \(pid (\d+)\)", _log(run))
+    assert found, _log(run)[-3000:]
+    return int(found.group(1))
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie left for init to reap counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 @pytest.fixture(scope="module")
 def reference(
     tmp_path_factory: pytest.TempPathFactory,
@@ -104,11 +120,11 @@ def test_a_signal_stops_both_replicas_at_one_checkpointed_step_and_resume_matche
     run = tmp_path / "stopped"
     job = _start(run, "--training.steps", str(STEPS))
     _wait_for_step(job, run, 2)
-    replicas = _replicas_of(job.pid)
-    assert len(replicas) == 4
+    replicas = [*_replicas_of(job.pid), _lighthouse_of(run)]
+    assert len(replicas) == 5 and not any(_gone(p) for p in replicas)
     job.send_signal(signum)
     assert job.wait(timeout=120) == 0, _log(run)[-3000:]
-    assert not _replicas_of(job.pid) and not any(Path(f"/proc/{p}").exists() for p in replicas)
+    assert not _replicas_of(job.pid) and all(_gone(p) for p in replicas)
     stops = [[r for r in _records(run, i) if r.get("event") == "stop"] for i in range(2)]
     assert [len(s) for s in stops] == [1, 1], _log(run)[-3000:]
     step = stops[0][0]["step"]
@@ -134,10 +150,11 @@ def test_replicas_whose_supervisor_was_killed_stop_on_their_own(tmp_path: Path) 
     job = _start(run, "--training.steps", "1000")
     _wait_for_step(job, run, 2)
     assert len(_replicas_of(job.pid)) == 4
+    lighthouse = _lighthouse_of(run)
     job.kill()
     job.wait()
     deadline = time.monotonic() + 60  # the orphan grace is 10 s; an agent may restart once
-    while _replicas_of(job.pid):
+    while _replicas_of(job.pid) or not _gone(lighthouse):
         assert time.monotonic() < deadline, f"orphans left: {_log(run)[-3000:]}"
         time.sleep(0.2)
     assert "the supervisor (pid" in _log(run)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +19,8 @@ from torch.distributed import TCPStore
 from ttnpu.ft import (
     CpuAdapter,
     EmbeddedLighthouse,
+    LighthouseProcess,
+    LighthouseUnreachable,
     RecoveryLimitExceeded,
     ReductionCheck,
     Replica,
@@ -42,15 +46,12 @@ def make_replica(
     **kw: Any,
 ) -> Replica:
     model = make_model(0)
-    config = ReplicaConfig(
-        replica_id=replica_id,
-        lighthouse=address,
-        device="cpu",
-        collective_timeout=timedelta(seconds=5),
-        timeout=timedelta(seconds=10),
-        quorum_timeout=timedelta(seconds=10),
-        **kw,
-    )
+    timeouts = {
+        "collective_timeout": timedelta(seconds=5),
+        "timeout": timedelta(seconds=10),
+        "quorum_timeout": timedelta(seconds=10),
+    }
+    config = ReplicaConfig(replica_id=replica_id, lighthouse=address, device="cpu", **timeouts | kw)
     return Replica(
         config, model, torch.optim.SGD(model.parameters(), lr=0.1), reduction_check=reduction_check
     )
@@ -137,6 +138,62 @@ def test_a_stop_requested_by_one_replica_is_agreed_by_every_replica_in_the_vote(
     finally:
         for r in replicas:
             r.close()
+
+
+def test_a_lighthouse_restarted_on_its_address_is_rejoined_and_one_kept_down_is_named(
+    make_model: Any,
+) -> None:
+    """SIGKILL the Lighthouse, restart it 2 s later: the next steps commit on both replicas, none
+    lost. SIGKILL it for good: each replica's next step raises ``LighthouseUnreachable`` after
+    the quorum timeout (torchft retried meanwhile)."""
+
+    def killed(lh: LighthouseProcess) -> None:
+        os.kill(lh.pid or 0, signal.SIGKILL)
+        while lh.poll() is None:
+            time.sleep(0.02)
+
+    def steps(r: Replica, n: int) -> list[tuple[bool, int, int]]:
+        gen = torch.Generator().manual_seed(r.config.replica_id)
+        results = [
+            r.run_step(lambda: r.model(torch.randn(4, 8, generator=gen)).sum().backward())
+            for _ in range(n)
+        ]
+        return [(res.committed, res.step, res.participants) for res in results]
+
+    with LighthouseProcess(min_replicas=2, join_timeout_ms=10_000) as lh:
+        quorum_timeout = timedelta(seconds=15)
+        replicas = in_parallel(
+            [lambda i=i: make_replica(i, lh.address, make_model, quorum_timeout=quorum_timeout)
+             for i in range(2)]
+        )  # fmt: skip
+        try:
+            assert (
+                in_parallel([lambda r=r: steps(r, 2) for r in replicas])
+                == [[(True, 1, 2), (True, 2, 2)]] * 2
+            )
+            killed(lh)
+            with ThreadPoolExecutor(2) as pool:
+                results = [pool.submit(steps, r, 2) for r in replicas]
+                time.sleep(2.0)
+                lh.restart()  # here: a Lighthouse dies with the thread that started it
+                assert [f.result(timeout=60) for f in results] == [[(True, 3, 2), (True, 4, 2)]] * 2
+            killed(lh)
+
+            def lost(r: Replica) -> BaseException | None:
+                try:
+                    steps(r, 1)
+                except BaseException as err:
+                    return err
+                return None
+
+            start = time.monotonic()
+            for err in in_parallel([lambda r=r: lost(r) for r in replicas]):
+                assert isinstance(err, LighthouseUnreachable), err
+                assert str(err).startswith("no Lighthouse answered for 15 s (quorum_timeout): ")
+            assert time.monotonic() - start < 15 + 5
+        finally:
+            for r in replicas:
+                r.close()
 
 
 def test_two_replicas_veto_sum_moe_counters_and_average_the_loss(

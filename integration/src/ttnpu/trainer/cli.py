@@ -10,11 +10,12 @@ A run folder (``<dump_folder>/<timestamp or --run-name>/``, default ``runs/``) h
 (TensorBoard). ``--resume`` reuses the saved recipe and overrides, with any new overrides applied on
 top. Without a launcher the process is a one-rank job (``RANK``/``WORLD_SIZE``/``MASTER_*`` set
 here); under torchrun its environment is used and ``--run-name`` gives all ranks one folder.
-``--replicas N`` runs N replica groups as processes under an embedded Lighthouse
-(:mod:`ttnpu.trainer.launcher`), each in ``<run>/replica_<i>/`` under a torchrun agent that restarts
-it when it dies (``--max-restarts``, default 3). A process that torchelastic restarted
-(``TORCHELASTIC_RESTART_COUNT`` > 0) with the same ``--run-name`` continues in that run folder: it
-loads the newest checkpoint there, if any, and heals from a live replica.
+``--replicas N`` runs N replica groups as processes around a Lighthouse that it starts and
+restarts (or ``--lighthouse URL``; :mod:`ttnpu.trainer.launcher`), each in ``<run>/replica_<i>/``
+under a torchrun agent that restarts it when it dies (``--max-restarts``, default 3). A process
+that torchelastic restarted (``TORCHELASTIC_RESTART_COUNT`` > 0) with the same ``--run-name``
+continues in that run folder: it loads the newest checkpoint there, if any, and heals from a live
+replica.
 
 Every option is checked before anything is built or written (:mod:`ttnpu.trainer.validation`):
 a bad one exits 2 with one line naming it and what was expected, and leaves no run folder.
@@ -28,9 +29,10 @@ by ``--replicas`` to its replicas) stops the process the same way when that supe
 
 Exit status: 0 when training finished or stopped on request; 2 for a bad command line, config or
 checkpoint; 3 (``EXIT_PERSISTENT_SDC``) for a replica taken out by a persistent silent data
-corruption; 4 (``EXIT_SPLIT_BRAIN``) for a replica group whose weights differ from the majority's
-(both recorded in the run folder's ``left.json``, so a torchelastic restart does not bring the
-replica back);
+corruption; 4 (``EXIT_SPLIT_BRAIN``) for a replica group whose weights differ from the majority's;
+5 (``EXIT_LIGHTHOUSE_LOST``) for a replica that found no Lighthouse for its quorum timeout and
+left with a checkpoint of its last committed step (all three recorded in the run folder's
+``left.json``, so a torchelastic restart does not bring the replica back);
 1 for a replica whose supervisor vanished and that could not stop within
 ``ORPHAN_GRACE_SECONDS``; 130 for a second SIGINT.
 """
@@ -109,7 +111,13 @@ def _parser() -> argparse.ArgumentParser:
         "--max-restarts",
         type=int,
         metavar="N",
-        help="with --replicas: how often torchelastic restarts a dead replica (default 3)",
+        help="with --replicas: how often torchelastic restarts a dead replica, and the "
+        "supervisor a dead Lighthouse (default 3)",
+    )
+    parser.add_argument(
+        "--lighthouse",
+        metavar="URL",
+        help="with --replicas: a running Lighthouse (http://host:port) instead of starting one",
     )
     parser.add_argument("--list-configs", action="store_true", help="list recipes and exit")
     parser.add_argument(
@@ -300,6 +308,11 @@ def _plan(
             f"--max-restarts {args.max_restarts}: needs --replicas >= 2 and a value >= 0 (one "
             "replica group under torchrun: give --max-restarts to torchrun)"
         )
+    if args.lighthouse is not None and args.replicas == 1:
+        raise UsageError(
+            f"--lighthouse {args.lighthouse}: needs --replicas >= 2 (one replica group: "
+            "--fault_tolerance.enable --fault_tolerance.lighthouse URL)"
+        )
     layout = {"replicas": args.replicas, "min_replicas": args.min_replicas}
     if args.resume is None:
         return args.config or DEFAULT_CONFIG, _ac_choice_last(overrides), None, layout
@@ -400,21 +413,30 @@ def _run(argv: Sequence[str], signals: StopSignals) -> int:
         )
     signals.attach(trainer)
     status = _train(trainer)
-    from .features import EXIT_PERSISTENT_SDC, EXIT_SPLIT_BRAIN
+    from .features import EXIT_LIGHTHOUSE_LOST, EXIT_PERSISTENT_SDC, EXIT_SPLIT_BRAIN
     from .launcher import record_left
 
-    if status in (EXIT_PERSISTENT_SDC, EXIT_SPLIT_BRAIN):
+    if status in (EXIT_PERSISTENT_SDC, EXIT_SPLIT_BRAIN, EXIT_LIGHTHOUSE_LOST):
         record_left(run, status)  # not to be restarted into the job
     return status
 
 
 def _train(trainer: Any) -> int:
-    from ttnpu.ft import SplitBrainError
+    from ttnpu.ft import LighthouseUnreachable, SplitBrainError
 
-    from .features import EXIT_PERSISTENT_SDC, EXIT_SPLIT_BRAIN, PersistentSDCError
+    from .features import (
+        EXIT_LIGHTHOUSE_LOST,
+        EXIT_PERSISTENT_SDC,
+        EXIT_SPLIT_BRAIN,
+        PersistentSDCError,
+    )
 
     try:
         trainer.train()
+    except LighthouseUnreachable as err:
+        left = f"{err}; {trainer.stopped}; this replica leaves the job"
+        print(f"ttnpu-train: {left}", file=sys.stderr)
+        return EXIT_LIGHTHOUSE_LOST
     except PersistentSDCError as err:
         print(f"ttnpu-train: {err}; this replica leaves the job", file=sys.stderr)
         return EXIT_PERSISTENT_SDC
@@ -554,7 +576,15 @@ def _launch(
         ]  # fmt: skip
     print(f"ttnpu-train: {config_name} x {replicas} replicas -> run folder {run}", flush=True)
     restarts = DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts
-    return launch_replicas(run, replicas, layout["min_replicas"], children, restarts)
+    lighthouse = None
+    if args.lighthouse is not None:
+        from ttnpu.ft import LighthouseUnreachable, check_lighthouse
+
+        try:
+            lighthouse = check_lighthouse(args.lighthouse)
+        except LighthouseUnreachable as err:
+            raise UsageError(f"--lighthouse: {err}") from None
+    return launch_replicas(run, replicas, layout["min_replicas"], children, restarts, lighthouse)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

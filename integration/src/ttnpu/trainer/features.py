@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 import tyro
 
 __all__ = [
+    "EXIT_LIGHTHOUSE_LOST",
     "EXIT_PERSISTENT_SDC",
     "EXIT_SPLIT_BRAIN",
     "FaultTolerance",
@@ -31,6 +32,11 @@ EXIT_SPLIT_BRAIN = 4
 """Exit status of a replica group whose weights differ from the majority's at the same step
 (split brain: groups that trained apart, see ``ttnpu.ft.SplitBrainError``). Restarted, it is
 behind the others and heals from them."""
+
+
+EXIT_LIGHTHOUSE_LOST = 5
+"""Exit status of a replica that found no Lighthouse for ``quorum_timeout_seconds`` (torchft
+retried meanwhile): it wrote a checkpoint of its last committed step first (``--resume``)."""
 
 
 class PersistentSDCError(RuntimeError):
@@ -63,7 +69,9 @@ class FaultTolerance:
     """A cross-replica collective that takes longer is stopped and the step discarded."""
 
     quorum_timeout_seconds: float = 120.0
-    """How long a quorum (and a heal) may take."""
+    """How long a quorum (and a heal) may take, and how long a lost Lighthouse may stay away
+    (a restarted one is rejoined) before the replica checkpoints and exits
+    (``EXIT_LIGHTHOUSE_LOST``)."""
 
     step_timeout_seconds: float = 0.0
     """Watchdog over one forward+backward; 0 turns it off."""

@@ -1,4 +1,4 @@
-"""``ttnpu-train --replicas N``: N replica groups on one host, around an embedded Lighthouse.
+"""``ttnpu-train --replicas N``: N replica groups on one host, around a watched Lighthouse.
 
 Each replica group runs under torchrun's elastic agent (``torch.distributed.run --standalone
 --max-restarts K``): a replica that dies is restarted by torchelastic with the same command, into
@@ -10,6 +10,13 @@ corruption, split brain) records its exit status in ``left.json`` and is not bro
 restart exits 0 at once, which ends its agent, and the supervisor reports that status. On a
 cluster, start ``torchft_lighthouse`` yourself and run each replica group under torchrun with
 ``--fault_tolerance.lighthouse`` and ``--fault_tolerance.enable``.
+
+The Lighthouse is torchft's ``torchft_lighthouse``, a child process bound to a loopback port
+(``ttnpu.ft.LighthouseProcess``, its output in ``<run>/lighthouse.log``), or one given by address
+(``--lighthouse``), which is not watched. One that dies is restarted on the same address, up to
+``max_restarts`` times; the replicas retry their quorum meanwhile and go on (no committed step is
+lost). One that stays away longer than the replicas' quorum timeout makes each of them write a
+checkpoint of its last committed step and leave with ``EXIT_LIGHTHOUSE_LOST``.
 
 SIGTERM and SIGINT to the supervisor are forwarded to every replica, which agree on a step, stop
 after it with a checkpoint and exit 0 (and so does its agent); replicas not gone
@@ -31,7 +38,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ttnpu.ft import EmbeddedLighthouse
+from ttnpu.ft import LighthouseProcess
 
 __all__ = [
     "DEFAULT_MAX_RESTARTS",
@@ -97,10 +104,12 @@ def launch_replicas(
     min_replicas: int,
     child_args: Sequence[Sequence[str]],
     max_restarts: int = DEFAULT_MAX_RESTARTS,
+    lighthouse_address: str | None = None,
 ) -> int:
-    """Start the Lighthouse and, per entry of ``child_args`` (``ttnpu-train`` arguments, to which
-    the replica overrides are appended), a torchrun agent restarting its replica up to
-    ``max_restarts`` times; wait for all, reporting restarts and forwarding SIGTERM and SIGINT.
+    """Start the Lighthouse (unless ``lighthouse_address`` names a running one) and, per entry of
+    ``child_args`` (``ttnpu-train`` arguments, to which the replica overrides are appended), a
+    torchrun agent restarting its replica up to ``max_restarts`` times; wait for all, reporting
+    restarts (and restarting a dead Lighthouse as often) and forwarding SIGTERM and SIGINT.
     Returns 0 when every replica finished or stopped on request, else the first non-zero exit
     status."""
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
@@ -108,23 +117,29 @@ def launch_replicas(
     shutil.rmtree(barrier, ignore_errors=True)
     agents: list[subprocess.Popen[bytes]] = []
     folders = [run / f"replica_{i}" for i in range(len(child_args))]
-    supervisor = _Supervisor(agents, folders)
-    with EmbeddedLighthouse(min_replicas=min_replicas, join_timeout_ms=30_000) as lighthouse:
-        print(f"ttnpu-train: Lighthouse at {lighthouse.address}", flush=True)
-        try:
-            for i, args in enumerate(child_args):
-                cmd = [
-                    *elastic_agent(max_restarts), "-m", "ttnpu.trainer.cli", *args,
-                    "--supervisor-pid", str(os.getpid()),
-                    *replica_args(i, replicas, min_replicas, lighthouse.address, barrier),
-                ]  # fmt: skip
-                agents.append(subprocess.Popen(cmd, env=env, process_group=0))
-            codes = [
-                left_status(f) or code for f, code in zip(folders, supervisor.wait(), strict=True)
-            ]
-        finally:
-            supervisor.kill_all()
-            supervisor.close()
+    lighthouse = None
+    if lighthouse_address is None:
+        lighthouse = LighthouseProcess(
+            min_replicas, join_timeout_ms=30_000, log=run / "lighthouse.log"
+        ).start()
+        lighthouse_address = lighthouse.address
+    supervisor = _Supervisor(agents, folders, lighthouse, max_restarts)
+    owned = f" (pid {lighthouse.pid})" if lighthouse is not None else ""
+    print(f"ttnpu-train: Lighthouse at {lighthouse_address}{owned}", flush=True)
+    try:
+        for i, args in enumerate(child_args):
+            cmd = [
+                *elastic_agent(max_restarts), "-m", "ttnpu.trainer.cli", *args,
+                "--supervisor-pid", str(os.getpid()),
+                *replica_args(i, replicas, min_replicas, lighthouse_address, barrier),
+            ]  # fmt: skip
+            agents.append(subprocess.Popen(cmd, env=env, process_group=0))
+        codes = [left_status(f) or code for f, code in zip(folders, supervisor.wait(), strict=True)]
+    finally:
+        supervisor.kill_all()
+        supervisor.close()
+        if lighthouse is not None:
+            lighthouse.close()
     done = "stopped" if supervisor.signals else "finished"
     for i, code in enumerate(codes):
         state = done if code == 0 else f"exited with status {code}"
@@ -177,11 +192,21 @@ class _Supervisor:
     it, and forwards SIGTERM/SIGINT to every live replica (a second SIGINT to the agents too: it
     makes them exit at once, with no restart); replicas still alive ``STOP_GRACE_SECONDS``
     after the first signal are killed. A replica that left the job (``left.json`` in its folder)
-    is reported once, not as restarted."""
+    is reported once, not as restarted. A ``lighthouse`` it owns that dies is restarted on its
+    address up to ``max_restarts`` times."""
 
-    def __init__(self, agents: list[subprocess.Popen[bytes]], folders: list[Path]) -> None:
+    def __init__(
+        self,
+        agents: list[subprocess.Popen[bytes]],
+        folders: list[Path],
+        lighthouse: LighthouseProcess | None = None,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
+    ) -> None:
         self.agents = agents
         self.folders = folders
+        self.lighthouse = lighthouse
+        self.max_restarts = max_restarts
+        self.lighthouse_restarts = 0
         self._left: set[int] = set()
         self.signals: list[str] = []
         self.restarts: list[int] = []
@@ -206,7 +231,34 @@ class _Supervisor:
                 if again or not workers:  # or a replica between two lives: its agent stops it
                     agent.send_signal(signum)
 
+    def _watch_lighthouse(self) -> None:
+        lighthouse = self.lighthouse
+        if lighthouse is None or (status := lighthouse.poll()) is None:
+            return
+        self.lighthouse = None  # unless restarted below
+        if self.lighthouse_restarts >= self.max_restarts:
+            print(
+                f"ttnpu-train: the Lighthouse died (status {status}) after "
+                f"{self.lighthouse_restarts} restart(s); not restarted: the replicas save a "
+                f"checkpoint and exit if it stays away",
+                flush=True,
+            )
+            return
+        self.lighthouse_restarts += 1
+        try:
+            lighthouse.restart()
+        except RuntimeError as err:
+            print(f"ttnpu-train: the Lighthouse died (status {status}); {err}", flush=True)
+            return
+        self.lighthouse = lighthouse
+        print(
+            f"ttnpu-train: the Lighthouse died (status {status}); restarted at "
+            f"{lighthouse.address} (pid {lighthouse.pid}, restart {self.lighthouse_restarts})",
+            flush=True,
+        )
+
     def _watch(self) -> None:
+        self._watch_lighthouse()
         while len(self._seen) < len(self.agents):
             self._seen.append([])
             self.restarts.append(0)

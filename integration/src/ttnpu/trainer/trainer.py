@@ -39,6 +39,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ttnpu.dsv4.ac_compile import check_options
+from ttnpu.ft import LighthouseUnreachable
 from ttnpu.routing import AnticipatorySchedule, DataExhaustedError, Phase, TrainingStep
 
 from .corpus import register_dataset
@@ -497,6 +498,11 @@ class DSV4Trainer(Trainer):
                 except DataExhaustedError:
                     logger.warning("Ran out of data; stopping.")
                     break
+                except LighthouseUnreachable:
+                    # No step can start: keep what was committed. The batches drawn for the
+                    # step that could not start are counted in the checkpointed data position.
+                    self.stopped = self._stop(schedule, False, "a lost Lighthouse")
+                    raise
                 self._record(done)
                 onset = self.spikes.observe(self.step, done.loss)
                 if onset is not None:
@@ -532,10 +538,13 @@ class DSV4Trainer(Trainer):
         if self._stop_asked_by is None:
             self._stop_asked_by = why
 
-    def _stop(self, schedule: AnticipatorySchedule[Batch], saved: bool) -> Stopped:
-        """The agreed stop after the committed step ``self.step``: a full, resumable checkpoint
-        of it unless the interval save just wrote one (or routing forbids one)."""
-        why = self._stop_asked_by or "the request of another rank or replica"
+    def _stop(
+        self, schedule: AnticipatorySchedule[Batch], saved: bool, why: str | None = None
+    ) -> Stopped:
+        """The stop after the committed step ``self.step`` (agreed, unless ``why`` names another
+        cause): a full, resumable checkpoint of it unless the interval save just wrote one (or
+        routing forbids one)."""
+        why = why or self._stop_asked_by or "the request of another rank or replica"
         checkpoint = Path(self.checkpointer._create_checkpoint_id(self.step))
         if not schedule.checkpoint_allowed:
             stopped = Stopped(

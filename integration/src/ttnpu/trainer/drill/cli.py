@@ -34,6 +34,7 @@ SCENARIO_NAMES = (
     "replica-rejoin",
     "kill-storm",
     "replica-restart",
+    "lighthouse-loss",
     "sdc",
     "loss-spike",
 )

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ttnpu.ft import LighthouseProcess
+from ttnpu.trainer.features import EXIT_LIGHTHOUSE_LOST
 from ttnpu.trainer.launcher import STOP_GRACE_SECONDS
 from ttnpu.trainer.steplog import read_step_log
 
@@ -523,7 +526,7 @@ def kill_storm(drill: Drill) -> ScenarioResult:
     )
 
 
-# -- a supervised job restarts its replicas ----------------------------------------------------
+# -- a supervised job: replicas and the Lighthouse restarted -------------------------------------
 def _start_event(records: list[dict[str, Any]], restart: int) -> dict[str, Any] | None:
     return next((r for r in records if r.get("event") == "start" and r["restart"] == restart), None)
 
@@ -532,82 +535,131 @@ def _heal_after(records: list[dict[str, Any]], since: float) -> dict[str, Any] |
     return next((r for r in records if r.get("event") == "heal" and r["time"] > since), None)
 
 
-def replica_restart(drill: Drill) -> ScenarioResult:
-    """``ttnpu-train --replicas 2``: replica 1's process is SIGKILLed N times; each time
-    torchelastic restarts it, it heals from replica 0 and both train on; then SIGTERM to the
-    supervisor stops both at one checkpointed step."""
-    dump = drill.runs("replica-restart")
-    dump.mkdir(parents=True, exist_ok=True)
-    kills = drill.sizes.restart_kills
-    cmd = [sys.executable, "-m", "ttnpu.trainer.cli", "--dump_folder", str(dump),
-           "--run-name", "job", "--replicas", "2", "--max-restarts", str(kills),
-           *SMALL, *_kill_args(drill)]  # fmt: skip
-    log = dump / "job.log"
-    with log.open("wb") as out:
-        job = TrainProcess(
-            "job",
-            dump / "job",
-            subprocess.Popen(cmd, env=environment(), stdout=out, stderr=subprocess.STDOUT),
-            log,
+@dataclass(frozen=True)
+class _StopOutcome:
+    stopped: list[int | None]
+    last: int
+    lost: list[int]
+    together: bool
+    equal: int
+    total: int
+
+
+class _SupervisedJob:
+    """``ttnpu-train --replicas 2`` run as a user would (one supervisor process, its output in
+    ``<dump>/<name>.log``), read through its replicas' ``steps.jsonl``."""
+
+    def __init__(self, dump: Path, name: str, args: list[str]) -> None:
+        dump.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "ttnpu.trainer.cli", "--dump_folder", str(dump),
+               "--run-name", name, "--replicas", "2", *SMALL, *args]  # fmt: skip
+        self.log = dump / f"{name}.log"
+        self.scratch = dump / "scratch"
+        with self.log.open("wb") as out:
+            popen = subprocess.Popen(cmd, env=environment(), stdout=out, stderr=subprocess.STDOUT)
+        self.process = TrainProcess(name, dump / name, popen, self.log)
+
+    def records(self, i: int) -> list[dict[str, Any]]:
+        return read_step_log(self.process.folder / f"replica_{i}" / "steps.jsonl")
+
+    def committed(self, i: int) -> list[dict[str, Any]]:
+        """Replica ``i``'s committed steps of its current life (a restart supersedes later ones)."""
+        return [r for r in self.records(i) if "event" not in r and not r.get("superseded")]
+
+    def last_step(self, i: int) -> int:
+        return max((r["step"] for r in self.committed(i)), default=0)
+
+    def joint_after(self, step: int, count: int) -> bool:
+        """``count`` steps after ``step`` that replica 1 committed with both replicas."""
+        done = [r for r in self.committed(1) if r["participants"] == 2 and r["step"] > step]
+        return len(done) >= count
+
+    def wait_joint(self, step: int, count: int) -> None:
+        wait_for(
+            f"{count} joint steps after step {step}",
+            functools.partial(self.joint_after, step, count),
+            [self.process],
+            timeout=600,
         )
-    replicas = [job.folder / f"replica_{i}" / "steps.jsonl" for i in range(2)]
 
-    def records(i: int) -> list[dict[str, Any]]:
-        return read_step_log(replicas[i])
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
 
-    def joint_after(step: int, count: int) -> bool:
-        done = [r for r in records(1) if "event" not in r and r["participants"] == 2]
-        return len([r for r in done if r["step"] > step]) >= count
+    def stops(self) -> list[dict[str, Any] | None]:
+        """Each replica's stop event (with its checkpoint), None where there is none."""
+        return [
+            next((r for r in self.records(i) if r.get("event") == "stop"), None) for i in range(2)
+        ]
 
-    killed: list[dict[str, Any]] = []
-    try:
-        wait_for("3 joint steps", lambda: joint_after(0, 3), [job], timeout=600)
-        for restart in range(kills):
-            victim = _start_event(records(1), restart)
-            if victim is None:
-                raise DrillError(f"replica 1 has no start event of restart {restart}")
-            os.kill(victim["pid"], signal.SIGKILL)
-            at, step = time.time(), max(r["step"] for r in records(1) if "event" not in r)
-            back = wait_for(
-                f"restart {restart + 1}",
-                functools.partial(lambda r: _start_event(records(1), r), restart + 1),
-                [job],
-                timeout=600,
-            )
-            heal = wait_for(
-                f"the heal after restart {restart + 1}",
-                functools.partial(lambda t: _heal_after(records(1), t), back["time"]),
-                [job],
-                timeout=600,
-            )
-            wait_for("2 joint steps", functools.partial(joint_after, heal["step"], 2), [job], 600)
-            killed.append({"at": at, "step": step, "back": back, "heal": heal})
-        job.proc.send_signal(signal.SIGTERM)
-        status = job.wait(timeout=STOP_GRACE_SECONDS)
-    finally:
-        job.kill()
-    stops = [[r for r in records(i) if r.get("event") == "stop"] for i in range(2)]
-    stopped = [s[0]["step"] if s else None for s in stops]
-    current = [
-        [r for r in records(i) if "event" not in r and not r.get("superseded")] for i in range(2)
-    ]
-    steps0 = [r["step"] for r in current[0]]
-    last = stopped[0] or 0
-    lost = sorted(set(range(1, last + 1)) - set(steps0)) + sorted(
-        {s for s in steps0 if steps0.count(s) > 1}
-    )
-    equal = total = 0
-    if stopped[0] is not None and stopped[0] == stopped[1]:
-        scratch = dump / "scratch"
+    def lost_steps(self, last: int) -> list[int]:
+        """Steps up to ``last`` that replica 0 never committed or committed twice."""
+        steps = [r["step"] for r in self.committed(0)]
+        missing = set(range(1, last + 1)) - set(steps)
+        return sorted(missing) + sorted({s for s in steps if steps.count(s) > 1})
+
+    def stop(self) -> int:
+        """SIGTERM to the supervisor, as a scheduler sends it; its exit status."""
+        self.process.proc.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=STOP_GRACE_SECONDS)
+
+    def stop_outcome(self) -> _StopOutcome:
+        """Where each replica stopped, the committed steps lost up to replica 0's stop, and the
+        model tensors bitwise equal in both stop checkpoints when they stopped at one step."""
+        stopped = [s["step"] if s else None for s in self.stops()]
+        last = stopped[0] or 0
+        together = stopped[0] is not None and stopped[0] == stopped[1]
+        equal, total = self._equal_weights(last) if together else (0, 0)
+        return _StopOutcome(stopped, last, self.lost_steps(last), together, equal, total)
+
+    def _equal_weights(self, step: int) -> tuple[int, int]:
         weights = [
-            model_weights(job.folder / f"replica_{i}" / "checkpoint" / f"step-{last}", scratch)
+            model_weights(
+                self.process.folder / f"replica_{i}" / "checkpoint" / f"step-{step}", self.scratch
+            )
             for i in range(2)
         ]
         equal = sum(
             k in weights[1] and torch.equal(v, weights[1][k]) for k, v in weights[0].items()
         )
-        total = len(weights[0])
-    reported = log.read_text(errors="replace").count("torchelastic restarted it")
+        return equal, len(weights[0])
+
+
+def replica_restart(drill: Drill) -> ScenarioResult:
+    """``ttnpu-train --replicas 2``: replica 1's process is SIGKILLed N times; each time
+    torchelastic restarts it, it heals from replica 0 and both train on; then SIGTERM to the
+    supervisor stops both at one checkpointed step."""
+    kills = drill.sizes.restart_kills
+    job = _SupervisedJob(
+        drill.runs("replica-restart"), "job", ["--max-restarts", str(kills), *_kill_args(drill)]
+    )
+    killed: list[dict[str, Any]] = []
+    try:
+        job.wait_joint(0, 3)
+        for restart in range(kills):
+            victim = _start_event(job.records(1), restart)
+            if victim is None:
+                raise DrillError(f"replica 1 has no start event of restart {restart}")
+            os.kill(victim["pid"], signal.SIGKILL)
+            at, step = time.time(), job.last_step(1)
+            back = wait_for(
+                f"restart {restart + 1}",
+                functools.partial(lambda r: _start_event(job.records(1), r), restart + 1),
+                [job.process],
+                timeout=600,
+            )
+            heal = wait_for(
+                f"the heal after restart {restart + 1}",
+                functools.partial(lambda t: _heal_after(job.records(1), t), back["time"]),
+                [job.process],
+                timeout=600,
+            )
+            job.wait_joint(heal["step"], 2)
+            killed.append({"at": at, "step": step, "back": back, "heal": heal})
+        status = job.stop()
+    finally:
+        job.process.kill()
+    end = job.stop_outcome()
+    reported = job.output().count("torchelastic restarted it")
     markers = [Marker(k["step"], f"kill {i + 1}") for i, k in enumerate(killed)]
     markers += [Marker(k["heal"]["step"], f"healed {i + 1}") for i, k in enumerate(killed)]
     return ScenarioResult(
@@ -621,19 +673,18 @@ def replica_restart(drill: Drill) -> ScenarioResult:
             "killed_after_steps": [k["step"] for k in killed],
             "restart_seconds": [round(k["back"]["time"] - k["at"], 1) for k in killed],
             "healed_at_steps": [k["heal"]["step"] for k in killed],
-            "stopped_at_steps": stopped,
+            "stopped_at_steps": end.stopped,
             "exit_status": status,
-            "committed_steps_lost": lost,
-            "equal_model_tensors": f"{equal}/{total}",
+            "committed_steps_lost": end.lost,
+            "equal_model_tensors": f"{end.equal}/{end.total}",
         },
         checks={
             "every kill was restarted and healed": len(killed) == kills,
             "the supervisor reported each restart": reported == kills,
             "the job exited 0": status == 0,
-            "both replicas stopped at one step": stopped[0] is not None
-            and stopped[0] == stopped[1],
-            "no committed step lost": not lost and last > 0,
-            "bit-identical weights at the stop": equal == total > 0,
+            "both replicas stopped at one step": end.together,
+            "no committed step lost": not end.lost and end.last > 0,
+            "bit-identical weights at the stop": end.equal == end.total > 0,
         },
         plots=[
             Figure(
@@ -641,7 +692,7 @@ def replica_restart(drill: Drill) -> ScenarioResult:
                 "Replica 1 killed and restarted by torchelastic",
                 "step",
                 "training loss",
-                [_curve("replica 0", current[0]), _curve("replica 1", current[1])],
+                [_curve("replica 0", job.committed(0)), _curve("replica 1", job.committed(1))],
                 markers=markers,
                 spans=[Span(k["step"], k["heal"]["step"], "replica 1 down") for k in killed],
             )
@@ -653,6 +704,118 @@ def replica_restart(drill: Drill) -> ScenarioResult:
             "Replica 1's curve shows its last life only: a restart resumes from its newest "
             "checkpoint, which marks its later records superseded, before it heals to the live "
             "step (its losses were replica 0's, averaged).",
+        ],
+    )
+
+
+_LIGHTHOUSE_PID = re.compile(r"Lighthouse at \S+ \(pid (\d+)\)")
+_KEPT_DOWN_QUORUM_TIMEOUT = 30
+"""Seconds the replicas of the kept-down run wait for a Lighthouse before they checkpoint and exit
+(``--fault_tolerance.quorum_timeout_seconds``; 120 by default)."""
+
+
+def lighthouse_loss(drill: Drill) -> ScenarioResult:
+    """SIGKILL the Lighthouse of ``ttnpu-train --replicas 2``: the supervisor restarts it on its
+    address and both replicas go on (then SIGTERM stops them at one checkpointed step). SIGKILL a
+    Lighthouse given by ``--lighthouse`` (nobody restarts it): after the quorum timeout each
+    replica writes a checkpoint of its last committed step and exits with one line."""
+    dump = drill.runs("lighthouse-loss")
+    job = _SupervisedJob(dump, "restarted", _kill_args(drill))
+    try:
+        job.wait_joint(0, 3)
+        found = wait_for(
+            "the Lighthouse's pid",
+            lambda: _LIGHTHOUSE_PID.search(job.output()),
+            [job.process],
+        )
+        os.kill(int(found.group(1)), signal.SIGKILL)
+        step = max(job.last_step(0), job.last_step(1))
+        job.wait_joint(step, 3)
+        status = job.stop()
+    finally:
+        job.process.kill()
+    end = job.stop_outcome()
+    restarted = job.output().count("the Lighthouse died (status -9); restarted at")
+    times = {r["step"]: r["time"] for r in job.committed(0)}
+    intervals = {b: times[b] - times[a] for a, b in itertools.pairwise(sorted(times))}
+    pause = max(intervals.get(s, 0.0) for s in range(step, step + 4))
+
+    with LighthouseProcess(min_replicas=1, join_timeout_ms=30_000) as external:
+        kept = _SupervisedJob(
+            dump,
+            "kept-down",
+            ["--lighthouse", external.address, *_kill_args(drill),
+             "--fault_tolerance.quorum_timeout_seconds", str(_KEPT_DOWN_QUORUM_TIMEOUT)],
+        )  # fmt: skip
+        try:
+            kept.wait_joint(0, 3)
+            os.kill(external.pid or 0, signal.SIGKILL)
+            kept_at = time.time()
+            kept_status = kept.process.wait(timeout=_KEPT_DOWN_QUORUM_TIMEOUT + STOP_GRACE_SECONDS)
+            ended = time.time()
+        finally:
+            kept.process.kill()
+    kept_stops = kept.stops()
+    kept_steps = [kept.last_step(i) for i in range(2)]
+    leave_lines = [
+        line for line in kept.output().splitlines() if "this replica leaves the job" in line
+    ]
+    checkpoints = [
+        s is not None and s["checkpoint"] is not None and Path(s["checkpoint"]).is_dir()
+        for s in kept_stops
+    ]
+    return ScenarioResult(
+        name="lighthouse-loss",
+        summary="SIGKILL of the Lighthouse of ttnpu-train --replicas 2: the supervisor restarts "
+        "it on the same address and both replicas train on; SIGTERM then stops both at one "
+        "checkpointed step. SIGKILL of a Lighthouse given by --lighthouse, kept down: after "
+        f"the quorum timeout ({_KEPT_DOWN_QUORUM_TIMEOUT} s) each replica checkpoints its last "
+        "committed step and exits with one line.",
+        figures={
+            "killed_after_step": step,
+            "lighthouse_restarts_reported": restarted,
+            "longest_step_interval_after_the_kill_seconds": round(pause, 1),
+            "median_step_interval_seconds": round(statistics.median(intervals.values()), 1),
+            "stopped_at_steps": end.stopped,
+            "exit_status": status,
+            "committed_steps_lost": end.lost,
+            "equal_model_tensors": f"{end.equal}/{end.total}",
+            "kept_down_last_committed_steps": kept_steps,
+            "kept_down_checkpointed_steps": [s["step"] if s else None for s in kept_stops],
+            "kept_down_seconds_from_kill_to_exit": round(ended - kept_at, 1),
+            "kept_down_exit_status": kept_status,
+            "kept_down_exit_lines": leave_lines,
+        },
+        checks={
+            "the supervisor restarted the Lighthouse once": restarted == 1,
+            "training went on after the restart, the job exited 0": status == 0,
+            "no committed step lost": not end.lost and end.last > step,
+            "both replicas stopped at one step with bit-identical weights": end.together
+            and end.equal == end.total > 0,
+            "kept down: every replica checkpointed its last committed step": all(checkpoints)
+            and [s["step"] if s else None for s in kept_stops] == kept_steps,
+            "kept down: one line per replica, exit status 5": len(leave_lines) == 2
+            and kept_status == EXIT_LIGHTHOUSE_LOST,
+        },
+        plots=[
+            Figure(
+                "lighthouse-loss",
+                "The Lighthouse killed and restarted by the supervisor",
+                "step",
+                "training loss",
+                [_curve("replica 0", job.committed(0)), _curve("replica 1", job.committed(1))],
+                markers=[Marker(step, "Lighthouse killed")],
+            )
+        ],
+        notes=[
+            "longest_step_interval_after_the_kill_seconds: the pause the loss cost, between "
+            "two committed steps of replica 0: the restart of torchft_lighthouse (about 2 s: it "
+            "imports torchft) and torchft's retry of the quorum (the Manager retries about once "
+            "a second for the quorum timeout, then reconfigures its process group for the new "
+            "Lighthouse's quorum id).",
+            "kept_down_seconds_from_kill_to_exit: the quorum timeout, a checkpoint and the "
+            "process exit. The batches drawn for the step that could not start count as read "
+            "in that checkpoint: a --resume continues after them.",
         ],
     )
 
@@ -962,6 +1125,7 @@ SCENARIOS: dict[str, Callable[[Drill], ScenarioResult]] = {
     "replica-rejoin": replica_rejoin,
     "kill-storm": kill_storm,
     "replica-restart": replica_restart,
+    "lighthouse-loss": lighthouse_loss,
     "sdc": sdc,
     "loss-spike": loss_spike,
 }

@@ -12,7 +12,12 @@ from importlib.metadata import version
 from ttnpu.ft.devices import CpuAdapter, CudaAdapter, DeviceAdapter, NpuAdapter, select_adapter
 from ttnpu.ft.fingerprint import SplitBrainCheck, SplitBrainError, weights_fingerprint
 from ttnpu.ft.hccl import ProcessGroupHCCL
-from ttnpu.ft.lighthouse import EmbeddedLighthouse, LighthouseUnreachable, check_lighthouse
+from ttnpu.ft.lighthouse import (
+    EmbeddedLighthouse,
+    LighthouseProcess,
+    LighthouseUnreachable,
+    check_lighthouse,
+)
 from ttnpu.ft.moe_balance import expert_counters, sum_expert_counts_across_replicas
 from ttnpu.ft.npu import NpuRuntime
 from ttnpu.ft.recovery import CollectiveTimeout, RecoveryLimitExceeded, StepRecovery
@@ -37,6 +42,7 @@ __all__ = [
     "EmbeddedLighthouse",
     "GradientReducer",
     "LRScheduler",
+    "LighthouseProcess",
     "LighthouseUnreachable",
     "NpuAdapter",
     "NpuRuntime",

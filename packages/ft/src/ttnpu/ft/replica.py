@@ -25,6 +25,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 
 from ttnpu.ft.devices import DeviceAdapter, select_adapter
 from ttnpu.ft.fingerprint import SplitBrainCheck
+from ttnpu.ft.lighthouse import LighthouseUnreachable, check_lighthouse
 from ttnpu.ft.moe_balance import sum_expert_counts_across_replicas
 from ttnpu.ft.recovery import StepRecovery
 from ttnpu.ft.reducer import GradientReducer, ReductionCheck
@@ -35,6 +36,10 @@ from ttnpu.ft.veto import CommitVeto
 __all__ = ["LRScheduler", "ReductionCheck", "Replica", "ReplicaConfig", "StepResult"]
 
 logger = logging.getLogger(__name__)
+
+# While the Lighthouse is unreachable (it died, a supervisor restarts it), torchft's Manager
+# retries the quorum about this often, for up to ReplicaConfig.quorum_timeout.
+LIGHTHOUSE_RETRY_SECONDS = 1.0
 
 # A collective waits for the slowest replica's forward and backward, so a timeout below a few
 # step times discards healthy steps whenever a host is loaded or a batch runs long.
@@ -58,6 +63,9 @@ class ReplicaConfig:
     collective_timeout: timedelta = timedelta(seconds=10)
     step_timeout: timedelta | None = None  # watchdog over forward+backward; None: off
     timeout: timedelta = timedelta(seconds=60)  # commit RPC, heal transfer
+    # A quorum's wait for its peers, and how long a lost Lighthouse may stay away: one that
+    # comes back at the same address within it is rejoined; else run_step raises
+    # LighthouseUnreachable.
     quorum_timeout: timedelta = timedelta(seconds=60)
     recovery_timeout: timedelta = timedelta(seconds=60)
     max_consecutive_recoveries: int = 3
@@ -173,6 +181,9 @@ class Replica:
             use_async_quorum=False,
             timeout=config.timeout,
             quorum_timeout=config.quorum_timeout,
+            quorum_retries=max(
+                1, round(config.quorum_timeout.total_seconds() / LIGHTHOUSE_RETRY_SECONDS)
+            ),  # torchft waits quorum_timeout / (retries + 1) between two tries
             connect_timeout=config.quorum_timeout,
             rank=config.group_rank,
             world_size=config.group_world_size,
@@ -214,6 +225,17 @@ class Replica:
         self._step_seconds: deque[float] = deque(maxlen=20)
         self._timeout_warned = False
         self._closed = False
+
+    def _raise_if_lighthouse_lost(self, error: Exception) -> None:
+        """A quorum that failed because the Lighthouse stayed away (torchft retried it for
+        ``quorum_timeout``) as ``LighthouseUnreachable``; any other failure is left as it is."""
+        try:
+            check_lighthouse(self.config.lighthouse, timeout=2.0)
+        except LighthouseUnreachable as lost:
+            waited = self.config.quorum_timeout.total_seconds()
+            raise LighthouseUnreachable(
+                f"no Lighthouse answered for {waited:g} s (quorum_timeout): {lost}"
+            ) from error
 
     def _load_snapshot(self, snapshot: Any) -> None:
         start = time.perf_counter()
@@ -279,7 +301,11 @@ class Replica:
         timings: dict[str, float] = {}
         self.recovery.begin_step()
         heals = self.heals
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as error:
+            self._raise_if_lighthouse_lost(error)
+            raise
         self.optimizer.zero_grad(set_to_none=True)
         self.reducer.begin_step()
         timings["quorum"] = time.perf_counter() - t0
