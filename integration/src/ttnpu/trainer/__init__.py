@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .config_registry import CONFIGS
     from .corpus import DATASET_NAME, corpus_path, load_corpus, tokenizer_path
     from .features import (
+        EXIT_LIGHTHOUSE_LOST,
         EXIT_PERSISTENT_SDC,
         EXIT_SPLIT_BRAIN,
         FaultTolerance,
@@ -39,6 +40,7 @@ _EXPORTS = {
     "DSV4Trainer": ".trainer",
     "DeepSeekV4LM": "ttnpu.dsv4.titan",
     "EXIT_PERSISTENT_SDC": ".features",
+    "EXIT_LIGHTHOUSE_LOST": ".features",
     "EXIT_SPLIT_BRAIN": ".features",
     "FaultTolerance": ".features",
     "PersistentSDCError": ".features",
@@ -59,6 +61,7 @@ __getattr__ = exports(__name__, _EXPORTS)
 __all__ = [
     "CONFIGS",
     "DATASET_NAME",
+    "EXIT_LIGHTHOUSE_LOST",
     "EXIT_PERSISTENT_SDC",
     "EXIT_SPLIT_BRAIN",
     "CheckpointError",

@@ -714,6 +714,12 @@ _KEPT_DOWN_QUORUM_TIMEOUT = 30
 (``--fault_tolerance.quorum_timeout_seconds``; 120 by default)."""
 
 
+def _step_times(label: str, committed: list[dict[str, Any]], t0: float) -> Curve:
+    return Curve(
+        label, [round(r["time"] - t0, 2) for r in committed], [r["step"] for r in committed]
+    )
+
+
 def lighthouse_loss(drill: Drill) -> ScenarioResult:
     """SIGKILL the Lighthouse of ``ttnpu-train --replicas 2``: the supervisor restarts it on its
     address and both replicas go on (then SIGTERM stops them at one checkpointed step). SIGKILL a
@@ -729,7 +735,7 @@ def lighthouse_loss(drill: Drill) -> ScenarioResult:
             [job.process],
         )
         os.kill(int(found.group(1)), signal.SIGKILL)
-        step = max(job.last_step(0), job.last_step(1))
+        at, step = time.time(), max(job.last_step(0), job.last_step(1))
         job.wait_joint(step, 3)
         status = job.stop()
     finally:
@@ -738,7 +744,10 @@ def lighthouse_loss(drill: Drill) -> ScenarioResult:
     restarted = job.output().count("the Lighthouse died (status -9); restarted at")
     times = {r["step"]: r["time"] for r in job.committed(0)}
     intervals = {b: times[b] - times[a] for a, b in itertools.pairwise(sorted(times))}
-    pause = max(intervals.get(s, 0.0) for s in range(step, step + 4))
+    paused = max(range(step, step + 4), key=lambda s: intervals.get(s, 0.0))
+    pause = intervals.get(paused, 0.0)
+    t0 = times[min(times)]
+    gap = Span(round(times[paused] - pause - t0, 1), round(times[paused] - t0, 1), "no commit")
 
     with LighthouseProcess(min_replicas=1, join_timeout_ms=30_000) as external:
         kept = _SupervisedJob(
@@ -775,6 +784,9 @@ def lighthouse_loss(drill: Drill) -> ScenarioResult:
             "killed_after_step": step,
             "lighthouse_restarts_reported": restarted,
             "longest_step_interval_after_the_kill_seconds": round(pause, 1),
+            "discarded_attempts": sum(
+                r.get("event") == "discarded" for i in range(2) for r in job.records(i)
+            ),
             "median_step_interval_seconds": round(statistics.median(intervals.values()), 1),
             "stopped_at_steps": end.stopped,
             "exit_status": status,
@@ -801,10 +813,11 @@ def lighthouse_loss(drill: Drill) -> ScenarioResult:
             Figure(
                 "lighthouse-loss",
                 "The Lighthouse killed and restarted by the supervisor",
-                "step",
-                "training loss",
-                [_curve("replica 0", job.committed(0)), _curve("replica 1", job.committed(1))],
-                markers=[Marker(step, "Lighthouse killed")],
+                "seconds since replica 0's first step",
+                "committed step",
+                [_step_times(f"replica {i}", job.committed(i), t0) for i in range(2)],
+                markers=[Marker(round(at - t0, 1), "Lighthouse killed")],
+                spans=[gap],
             )
         ],
         notes=[
@@ -812,7 +825,9 @@ def lighthouse_loss(drill: Drill) -> ScenarioResult:
             "two committed steps of replica 0: the restart of torchft_lighthouse (about 2 s: it "
             "imports torchft) and torchft's retry of the quorum (the Manager retries about once "
             "a second for the quorum timeout, then reconfigures its process group for the new "
-            "Lighthouse's quorum id).",
+            "Lighthouse's quorum id). discarded_attempts: step attempts a replica discarded (a "
+            "collective that timed out when the replicas met the new Lighthouse at different "
+            "moments); each was re-run and committed jointly.",
             "kept_down_seconds_from_kill_to_exit: the quorum timeout, a checkpoint and the "
             "process exit. The batches drawn for the step that could not start count as read "
             "in that checkpoint: a --resume continues after them.",
