@@ -378,6 +378,18 @@ def test_a_replica_gives_the_others_its_host_name_for_its_store_not_localhost() 
         assert replica._store is not None and replica._store.get("from-a-peer") == b"reached"
 
 
+def test_a_replica_given_a_host_advertises_it_for_its_store_manager_and_heals() -> None:
+    """A loopback address other than 127.0.0.1 stands for another host's network here."""
+    with EmbeddedLighthouse(min_replicas=1) as lh:
+        model = torch.nn.Linear(4, 1)
+        config = ReplicaConfig(replica_id=0, lighthouse=lh.address, device="cpu", host="127.0.0.3")
+        with Replica(config, model, torch.optim.SGD(model.parameters(), lr=0.1)) as replica:
+            assert replica.store_address.startswith("127.0.0.3:")
+            assert replica.manager._checkpoint_transport.metadata().startswith("127.0.0.3:")
+            result = replica.run_step(lambda: model(torch.randn(2, 4)).sum().backward())
+            assert result.committed
+
+
 def test_parameters_no_replica_has_a_gradient_for_stay_untouched_by_adamw() -> None:
     with EmbeddedLighthouse(min_replicas=1) as lh:
         torch.manual_seed(0)

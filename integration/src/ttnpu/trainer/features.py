@@ -62,6 +62,10 @@ class FaultTolerance:
     lighthouse: str = ""
     """Lighthouse address (``http://host:port``); empty: the ``TORCHFT_LIGHTHOUSE`` variable."""
 
+    host: str = ""
+    """The address the other replica groups reach this one at (its torchft Manager, store and
+    heal transfers); empty: this host's name. For a host on several networks."""
+
     min_replica_size: Annotated[int, tyro.conf.arg(aliases=("--fault-tolerance.min-replicas",))] = 1
     """Fewest replica groups a step may commit with."""
 

@@ -8,8 +8,9 @@ sees the new process, and the restarted replica records it in its ``steps.jsonl`
 event's ``restart``). A replica that leaves the job on purpose (a persistent silent data
 corruption, split brain) records its exit status in ``left.json`` and is not brought back: its
 restart exits 0 at once, which ends its agent, and the supervisor reports that status. On a
-cluster, start ``torchft_lighthouse`` yourself and run each replica group under torchrun with
-``--fault_tolerance.lighthouse`` and ``--fault_tolerance.enable``.
+cluster, the same pieces run under the scheduler: ``examples/slurm/`` starts ``torchft_lighthouse``
+once and each replica group under torchrun with ``--fault_tolerance.enable`` and
+``--fault_tolerance.lighthouse``.
 
 The Lighthouse is torchft's ``torchft_lighthouse``, a child process bound to a loopback port
 (``ttnpu.ft.LighthouseProcess``, its output in ``<run>/lighthouse.log``), or one given by address

@@ -159,6 +159,7 @@ class ReplicaStepper:
                 store_addr=os.environ.get("MASTER_ADDR") if world > 1 else None,
                 store_port=int(os.environ["MASTER_PORT"]) if world > 1 else None,
                 fingerprint_every=config.fingerprint_every_steps,
+                host=config.host or None,
             ),
             model,
             optimizers,

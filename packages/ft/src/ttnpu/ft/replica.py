@@ -72,6 +72,9 @@ class ReplicaConfig:
     group_rank: int = 0
     group_world_size: int = 1
     store_addr: str | None = None  # the group's TCPStore; None with one rank: started here
+    # The address the other replicas reach this group at (its Manager, its store, its heal
+    # transfers); None: this host's name. Set it on a host with several networks.
+    host: str | None = None
     store_port: int | None = None
     bucket_cap_mb: float = 4.0  # gradients at least this large are reduced alone, in place
     # Weights are compared across replicas when the quorum's membership changes (split brain,
@@ -158,12 +161,13 @@ class Replica:
             max_consecutive_recoveries=config.max_consecutive_recoveries,
         )
         self._store: TCPStore | None = None
+        host = config.host or socket.gethostname()
         store_addr, store_port = config.store_addr, config.store_port
         if store_addr is None or store_port is None:
-            # It listens on every interface; the others are given this host's name (as torchft's
-            # Manager gives its own address), since "localhost" names their own host, not this one.
+            # It listens on every interface; the others are given `host` (this host's name, as
+            # torchft's Manager gives), since "localhost" names their own host, not this one.
             self._store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-            store_addr, store_port = socket.gethostname(), self._store.port
+            store_addr, store_port = host, self._store.port
         self.store_address = f"{store_addr}:{store_port}"
         """Where the other replicas reach this group's store (a cross-replica process group's
         rendezvous, when this replica leads the quorum)."""
@@ -191,7 +195,8 @@ class Replica:
             store_port=store_port,
             lighthouse_addr=config.lighthouse,
             replica_id=f"ttnpu_ft_{config.replica_id}",
-            checkpoint_transport=checkpoint_transport or SocketTransport(config.timeout),
+            hostname=host,
+            checkpoint_transport=checkpoint_transport or SocketTransport(config.timeout, host),
         )
         self.veto = CommitVeto(self.manager, self.adapter.device)
         self.reducer = GradientReducer(
