@@ -85,6 +85,7 @@ def test_dotted_overrides_apply_on_top_of_the_recipe() -> None:
         (("--fault_tolerance.replica_id", "2"), "replica_id 2 must be in"),
         (("--fault_tolerance.min_replica_size", "2"), "min_replica_size 2 must be in"),
         (("--fault_tolerance.max_attempts", "1"), "max_attempts must be >= 2"),
+        (("--fault_tolerance.collective_timeout_steps", "2"), r"steps must be 0 \(fixed\) or >= 3"),
         (("--sdc.inject_step", "3", "--sdc.no-enable"), "needs sdc.enable"),
         (("--spike.warmup_steps", "1"), "warmup_steps must be >= 2"),
         (("--spike.inject_scale", "0"), "inject_scale > 0"),

@@ -196,6 +196,48 @@ def test_a_lighthouse_restarted_on_its_address_is_rejoined_and_one_kept_down_is_
                 r.close()
 
 
+@pytest.mark.parametrize("steps_multiple", [0.0, 6.0], ids=["fixed", "adaptive"])
+def test_an_adaptive_collective_timeout_lets_a_late_peer_commit(
+    lighthouse: EmbeddedLighthouse, make_model: Any, steps_multiple: float
+) -> None:
+    """Steps of 0.5 s, then one where replica 1 comes 2.5 s late. A fixed 1.5 s timeout discards
+    that step (gloo cuts the wait); one that follows 6 median step times (3 s) commits it,
+    which needs the live gloo backend's timeout moved, not only the watchdog's."""
+    replicas = in_parallel(
+        [lambda i=i: make_replica(i, lighthouse.address, make_model,
+                                  collective_timeout=timedelta(seconds=1.5),
+                                  collective_timeout_steps=steps_multiple)
+         for i in range(2)]
+    )  # fmt: skip
+    try:
+
+        def train(r: Replica) -> list[bool]:
+            gen = torch.Generator().manual_seed(r.config.replica_id)
+            late = r.config.replica_id == 1
+
+            def step(delay: float) -> bool:
+                def fn() -> None:
+                    r.model(torch.randn(4, 8, generator=gen)).sum().backward()
+                    time.sleep(delay)
+
+                return r.run_step(fn).committed
+
+            steady = [step(0.5) for _ in range(4)]
+            return [*steady, step(3.0 if late else 0.5)]
+
+        results = in_parallel([lambda r=r: train(r) for r in replicas])
+        adapted = [r.collective_timeout.total_seconds() for r in replicas]
+    finally:
+        for r in replicas:
+            r.close()
+    if steps_multiple:
+        assert all(2.5 < t < 4.5 for t in adapted), adapted
+        assert results == [[True] * 5] * 2
+    else:
+        assert adapted == [1.5, 1.5]
+        assert results[0][:4] == [True] * 4 and results[0][4] is False
+
+
 def test_two_replicas_veto_sum_moe_counters_and_average_the_loss(
     lighthouse: EmbeddedLighthouse, make_model: Any
 ) -> None:
@@ -299,6 +341,7 @@ def test_recoverable_failures_discard_the_step_until_the_limit(make_model: Any) 
         ({"step_timeout": timedelta(0)}, "step_timeout must be > 0 s or None"),
         ({"group_world_size": 2}, "needs store_addr/store_port"),
         ({"bucket_cap_mb": 0}, "bucket_cap_mb must be > 0"),
+        ({"collective_timeout_steps": 2}, r"collective_timeout_steps must be 0 \(off\) or >= 3"),
     ],
 )
 def test_config_errors_name_the_field(kw: dict[str, Any], message: str) -> None:

@@ -70,7 +70,13 @@ class FaultTolerance:
     """Fewest replica groups a step may commit with."""
 
     collective_timeout_seconds: float = 10.0
-    """A cross-replica collective that takes longer is stopped and the step discarded."""
+    """A cross-replica collective that takes longer is stopped and the step discarded; with
+    ``collective_timeout_steps``, the floor of the timeout."""
+
+    collective_timeout_steps: float = 5.0
+    """The collective timeout follows this many median committed step times (never below
+    ``collective_timeout_seconds``), so that slow steps on a loaded host are not discarded; 0:
+    fixed at ``collective_timeout_seconds``; else at least 3."""
 
     quorum_timeout_seconds: float = 120.0
     """How long a quorum (and a heal) may take, and how long a lost Lighthouse may stay away
@@ -118,6 +124,11 @@ class FaultTolerance:
         for name in ("collective_timeout_seconds", "quorum_timeout_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"fault_tolerance.{name} must be > 0, got {getattr(self, name)}")
+        if self.collective_timeout_steps != 0 and self.collective_timeout_steps < 3:
+            raise ValueError(
+                f"fault_tolerance.collective_timeout_steps must be 0 (fixed) or >= 3 (step "
+                f"times), got {self.collective_timeout_steps}"
+            )
         if self.step_timeout_seconds < 0:
             raise ValueError(
                 f"fault_tolerance.step_timeout_seconds must be >= 0, got "

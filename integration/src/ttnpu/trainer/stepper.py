@@ -147,6 +147,7 @@ class ReplicaStepper:
                 min_replica_size=config.min_replicas,
                 device=device,
                 collective_timeout=timedelta(seconds=config.collective_timeout_seconds),
+                collective_timeout_steps=config.collective_timeout_steps,
                 step_timeout=(
                     timedelta(seconds=config.step_timeout_seconds)
                     if config.step_timeout_seconds

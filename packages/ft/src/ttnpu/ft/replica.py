@@ -61,6 +61,9 @@ class ReplicaConfig:
     min_replica_size: int = 1
     device: str | None = None  # "cpu" | "cuda" | "npu"; None: the available accelerator, else cpu
     collective_timeout: timedelta = timedelta(seconds=10)
+    # > 0: the collective timeout follows this many median committed step times (of the last
+    # 20, from the third on), never below collective_timeout; 0: it stays collective_timeout.
+    collective_timeout_steps: float = 0.0
     step_timeout: timedelta | None = None  # watchdog over forward+backward; None: off
     timeout: timedelta = timedelta(seconds=60)  # commit RPC, heal transfer
     # A quorum's wait for its peers, and how long a lost Lighthouse may stay away: one that
@@ -94,6 +97,12 @@ class ReplicaConfig:
             ("max_consecutive_recoveries", self.max_consecutive_recoveries >= 0, ">= 0"),
             ("bucket_cap_mb", self.bucket_cap_mb > 0, "> 0"),
             ("fingerprint_every", self.fingerprint_every >= 0, ">= 0"),
+            (
+                "collective_timeout_steps",
+                self.collective_timeout_steps == 0
+                or self.collective_timeout_steps >= TIMEOUT_STEP_MULTIPLE,
+                f"0 (off) or >= {TIMEOUT_STEP_MULTIPLE:g}",
+            ),
         ]
         for name in ("collective_timeout", "timeout", "quorum_timeout", "recovery_timeout"):
             checks.append((name, getattr(self, name).total_seconds() > 0, "> 0 s"))
@@ -229,6 +238,8 @@ class Replica:
         )
         self._step_seconds: deque[float] = deque(maxlen=20)
         self._timeout_warned = False
+        self.collective_timeout = config.collective_timeout
+        """The timeout the collectives run under now (it moves with collective_timeout_steps)."""
         self._closed = False
 
     def _raise_if_lighthouse_lost(self, error: Exception) -> None:
@@ -355,7 +366,11 @@ class Replica:
         timings["vote_commit"] = time.perf_counter() - t2
         if committed:
             self.recovery.apply_update(lambda: self._update(before_update))
-            self._check_collective_timeout(time.perf_counter() - t0)
+            self._step_seconds.append(time.perf_counter() - t0)
+            if self.config.collective_timeout_steps:
+                self._adapt_collective_timeout()
+            else:
+                self._check_collective_timeout()
         else:
             self.recovery.discard()
         return StepResult(
@@ -369,13 +384,39 @@ class Replica:
             timings=timings,
         )
 
-    def _check_collective_timeout(self, seconds: float) -> None:
+    def _adapt_collective_timeout(self) -> None:
+        """Follow ``collective_timeout_steps`` median step times (not below the configured
+        timeout), moved when it changes by more than a quarter: in the watchdog, in torchft's
+        process group (its waits, and the backend of its next configuration) and in the live
+        backend (torch's ``ProcessGroup.set_timeout``), which on gloo is what cuts a collective
+        short."""
+        if len(self._step_seconds) < 3:
+            return
+        median = statistics.median(self._step_seconds)
+        target = max(
+            self.config.collective_timeout.total_seconds(),
+            self.config.collective_timeout_steps * median,
+        )
+        current = self.collective_timeout.total_seconds()
+        if abs(target - current) <= current / 4:
+            return
+        timeout = timedelta(seconds=target)
+        self.recovery.watchdog.timeout_s = target
+        self.pg.set_timeout(timeout)
+        self.pg.parent.set_timeout(timeout)
+        self.collective_timeout = timeout
+        logger.info(
+            "collective timeout %.1f s -> %.1f s (%gx the median step time %.2f s)",
+            current,
+            target,
+            self.config.collective_timeout_steps,
+            median,
+        )
+
+    def _check_collective_timeout(self) -> None:
         """Warn once when ``collective_timeout`` is under TIMEOUT_STEP_MULTIPLE times the median
         committed step time (of the last 20, from the third on)."""
-        if self._timeout_warned:
-            return
-        self._step_seconds.append(seconds)
-        if len(self._step_seconds) < 3:
+        if self._timeout_warned or len(self._step_seconds) < 3:
             return
         median = statistics.median(self._step_seconds)
         timeout = self.config.collective_timeout.total_seconds()
