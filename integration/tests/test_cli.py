@@ -198,6 +198,20 @@ def test_a_lighthouse_address_needs_replicas_and_must_answer(
     )
 
 
+def test_a_lighthouse_that_cannot_start_ends_the_launch_in_one_line_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ttnpu.ft.lighthouse
+
+    def missing() -> str:
+        raise ttnpu.ft.lighthouse.LighthouseStartError("torchft_lighthouse not found")
+
+    monkeypatch.setattr(ttnpu.ft.lighthouse, "_lighthouse_program", missing)
+    assert main(["--replicas", "2", "--dump_folder", str(tmp_path)]) == 1
+    assert "ttnpu-train: error: torchft_lighthouse not found" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_supervisor_restarts_a_dead_lighthouse_up_to_max_restarts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

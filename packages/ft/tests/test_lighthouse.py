@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from ttnpu.ft import EmbeddedLighthouse, LighthouseProcess, LighthouseUnreachable, check_lighthouse
+from ttnpu.ft import (
+    EmbeddedLighthouse,
+    LighthouseProcess,
+    LighthouseStartError,
+    LighthouseUnreachable,
+    check_lighthouse,
+)
 
 
 def test_a_running_lighthouse_passes_the_check() -> None:
@@ -77,10 +83,10 @@ def test_a_lighthouse_process_restarts_on_its_address_and_closes_idempotently(
 def test_a_lighthouse_process_that_cannot_start_says_why(tmp_path: Path) -> None:
     with (
         LighthouseProcess() as running,
-        pytest.raises(RuntimeError, match=f"127.0.0.1:{running.port} is taken"),
+        pytest.raises(LighthouseStartError, match=f"127.0.0.1:{running.port} is taken"),
     ):
         LighthouseProcess(port=running.port).start()
-    with pytest.raises(RuntimeError, match=r"exited with status 1 at start; see .*bad.log"):
+    with pytest.raises(LighthouseStartError, match=r"exited with status 1 at start; see .*bad.log"):
         LighthouseProcess(host="127.0.0.1", log=tmp_path / "bad.log", join_timeout_ms=2**64).start()
 
 

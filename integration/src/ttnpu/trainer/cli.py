@@ -584,7 +584,17 @@ def _launch(
             lighthouse = check_lighthouse(args.lighthouse)
         except LighthouseUnreachable as err:
             raise UsageError(f"--lighthouse: {err}") from None
-    return launch_replicas(run, replicas, layout["min_replicas"], children, restarts, lighthouse)
+    from ttnpu.ft import LighthouseStartError
+
+    try:
+        return launch_replicas(
+            run, replicas, layout["min_replicas"], children, restarts, lighthouse
+        )
+    except LighthouseStartError as err:  # before any replica started
+        if resume is None:
+            shutil.rmtree(run, ignore_errors=True)
+        print(f"ttnpu-train: error: {err}", file=sys.stderr)
+        return 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

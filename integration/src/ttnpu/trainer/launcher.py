@@ -39,7 +39,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ttnpu.ft import LighthouseProcess
+from ttnpu.ft import LighthouseProcess, LighthouseStartError
 
 __all__ = [
     "DEFAULT_MAX_RESTARTS",
@@ -248,7 +248,7 @@ class _Supervisor:
         self.lighthouse_restarts += 1
         try:
             lighthouse.restart()
-        except RuntimeError as err:
+        except LighthouseStartError as err:
             print(f"ttnpu-train: the Lighthouse died (status {status}); {err}", flush=True)
             return
         self.lighthouse = lighthouse

@@ -15,6 +15,7 @@ from ttnpu.ft.hccl import ProcessGroupHCCL
 from ttnpu.ft.lighthouse import (
     EmbeddedLighthouse,
     LighthouseProcess,
+    LighthouseStartError,
     LighthouseUnreachable,
     check_lighthouse,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "GradientReducer",
     "LRScheduler",
     "LighthouseProcess",
+    "LighthouseStartError",
     "LighthouseUnreachable",
     "NpuAdapter",
     "NpuRuntime",

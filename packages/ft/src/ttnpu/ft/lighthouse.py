@@ -25,11 +25,21 @@ from urllib.parse import urlsplit
 
 from torchft.coordination import LighthouseServer
 
-__all__ = ["EmbeddedLighthouse", "LighthouseProcess", "LighthouseUnreachable", "check_lighthouse"]
+__all__ = [
+    "EmbeddedLighthouse",
+    "LighthouseProcess",
+    "LighthouseStartError",
+    "LighthouseUnreachable",
+    "check_lighthouse",
+]
 
 
 class LighthouseUnreachable(ConnectionError):
     """No Lighthouse address was given, or nothing answers at it."""
+
+
+class LighthouseStartError(RuntimeError):
+    """``torchft_lighthouse`` could not be started (missing, port taken, exited at start)."""
 
 
 def check_lighthouse(address: str | None = None, timeout: float = 5.0) -> str:
@@ -174,8 +184,8 @@ class LighthouseProcess:
         return None if self._process is None else self._process.pid
 
     def start(self) -> LighthouseProcess:
-        """Start it and wait until it accepts connections (``RuntimeError`` when its port is
-        taken, or naming its exit status when it exits first)."""
+        """Start it and wait until it accepts connections (``LighthouseStartError`` when its port
+        is taken, or naming its exit status when it exits first)."""
         if self._process is not None and self._process.poll() is None:
             raise RuntimeError(f"LighthouseProcess.start: already running (pid {self.pid})")
         with socket.socket() as probe:  # else another listener would pass the readiness check
@@ -183,7 +193,7 @@ class LighthouseProcess:
             try:
                 probe.bind((self.host, self.port))
             except OSError as err:
-                raise RuntimeError(
+                raise LighthouseStartError(
                     f"torchft_lighthouse: {self.host}:{self.port} is taken ({err})"
                 ) from None
         env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
@@ -202,7 +212,7 @@ class LighthouseProcess:
         while True:
             if (status := self._process.poll()) is not None:
                 where = f"; see {self.log}" if self.log else ""
-                raise RuntimeError(
+                raise LighthouseStartError(
                     f"torchft_lighthouse at {self.address} exited with status {status} at "
                     f"start{where}"
                 )
@@ -213,7 +223,7 @@ class LighthouseProcess:
                 return self
             if time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(
+                raise LighthouseStartError(
                     f"torchft_lighthouse at {self.address} did not accept connections within "
                     f"{self.start_timeout:g} s"
                 )
@@ -259,7 +269,7 @@ def _lighthouse_program() -> str:
     program = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
     program = program or shutil.which("torchft_lighthouse")
     if program is None:
-        raise RuntimeError("torchft_lighthouse not found (it is installed with torchft)")
+        raise LighthouseStartError("torchft_lighthouse not found (it is installed with torchft)")
     return program
 
 
