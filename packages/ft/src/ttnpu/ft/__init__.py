@@ -4,7 +4,8 @@ torchft provides the Lighthouse, the Manager (quorum, heal, commit), transports 
 this package adds what they lack: an HCCL process group, in-process step recovery with per-device
 adapters, a validated state carry-over for a rejoining replica, a cross-replica commit veto (which
 also agrees a requested stop), replica-consistent MoE counters, split-brain detection (weights
-fingerprints compared at a quorum) and an embedded Lighthouse.
+fingerprints compared at a quorum), a Lighthouse embedded or as a restartable child process, and
+replicas that ride through a Lighthouse restart.
 """
 
 from importlib.metadata import version
