@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -191,6 +192,40 @@ def test_a_lighthouse_restarted_on_its_address_is_rejoined_and_one_kept_down_is_
                 assert isinstance(err, LighthouseUnreachable), err
                 assert str(err).startswith("no Lighthouse answered for 15 s (quorum_timeout): ")
             assert time.monotonic() - start < 15 + 5
+        finally:
+            for r in replicas:
+                r.close()
+
+
+def test_a_quorum_number_reused_by_a_restarted_lighthouse_is_caught_before_the_step(
+    make_model: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Both replicas train under quorum 1. The Lighthouse restarts and numbers from 1 again:
+    replica 0, asking alone, gets quorum 1 with one member, but torchft keeps the two-member
+    group it built for the old quorum 1. The step is discarded before it starts (no collective
+    waits for replica 1, nothing is committed on the stale group), and the next quorum, under a
+    new number, rebuilds the group: replica 0 commits alone."""
+
+    def step(r: Replica) -> tuple[bool, bool, int]:
+        res = r.run_step(lambda: r.model(torch.randn(4, 8)).sum().backward())
+        return res.committed, res.recovered, res.participants
+
+    with LighthouseProcess(min_replicas=1, join_timeout_ms=300) as lh:
+        replicas = in_parallel(
+            [lambda i=i: make_replica(i, lh.address, make_model) for i in range(2)]
+        )
+        try:
+            assert in_parallel([lambda r=r: step(r) for r in replicas]) == [(True, False, 2)] * 2
+            os.kill(lh.pid or 0, signal.SIGKILL)
+            while lh.poll() is None:
+                time.sleep(0.02)
+            lh.restart()
+            with caplog.at_level(logging.INFO):
+                assert step(replicas[0]) == (False, True, 0)
+            assert "recovered in process from StaleProcessGroup" in caplog.text
+            assert "timed out" not in caplog.text  # no collective waited for replica 1
+            assert step(replicas[0]) == (True, False, 1)
+            assert replicas[0].manager.current_step() == 2
         finally:
             for r in replicas:
                 r.close()

@@ -22,7 +22,12 @@ from ttnpu.ft.lighthouse import (
 )
 from ttnpu.ft.moe_balance import expert_counters, sum_expert_counts_across_replicas
 from ttnpu.ft.npu import NpuRuntime
-from ttnpu.ft.recovery import CollectiveTimeout, RecoveryLimitExceeded, StepRecovery
+from ttnpu.ft.recovery import (
+    CollectiveTimeout,
+    RecoveryLimitExceeded,
+    StaleProcessGroup,
+    StepRecovery,
+)
 from ttnpu.ft.reducer import GradientReducer
 from ttnpu.ft.replica import LRScheduler, ReductionCheck, Replica, ReplicaConfig, StepResult
 from ttnpu.ft.snapshot import ReplicaState, RestoreError, Stateful, snapshot_tree
@@ -60,6 +65,7 @@ __all__ = [
     "SocketTransport",
     "SplitBrainCheck",
     "SplitBrainError",
+    "StaleProcessGroup",
     "Stateful",
     "StepRecovery",
     "StepResult",

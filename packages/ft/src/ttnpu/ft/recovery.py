@@ -34,6 +34,10 @@ class CollectiveTimeout(RuntimeError):
     """A collective of the current step did not finish within its timeout."""
 
 
+class StaleProcessGroup(RuntimeError):
+    """The quorum's members are not those the cross-replica process group was built for."""
+
+
 class RecoveryLimitExceeded(RuntimeError):
     """More consecutive in-process recoveries than allowed: the fault is not transient."""
 
@@ -107,7 +111,7 @@ class StepRecovery:
 
     def is_recoverable(self, error: BaseException) -> bool:
         """A stopped/aborted step is recoverable; an error in user code is not."""
-        if isinstance(error, CollectiveTimeout) or self._stopped is not None:
+        if isinstance(error, CollectiveTimeout | StaleProcessGroup) or self._stopped is not None:
             return True
         return isinstance(error, RuntimeError) and any(m in str(error) for m in _STOPPED_MARKERS)
 

@@ -27,7 +27,7 @@ from ttnpu.ft.devices import DeviceAdapter, select_adapter
 from ttnpu.ft.fingerprint import SplitBrainCheck
 from ttnpu.ft.lighthouse import LighthouseUnreachable, check_lighthouse
 from ttnpu.ft.moe_balance import sum_expert_counts_across_replicas
-from ttnpu.ft.recovery import StepRecovery
+from ttnpu.ft.recovery import StaleProcessGroup, StepRecovery
 from ttnpu.ft.reducer import GradientReducer, ReductionCheck
 from ttnpu.ft.snapshot import ReplicaState, Stateful
 from ttnpu.ft.transport import SocketTransport
@@ -242,6 +242,21 @@ class Replica:
         """The timeout the collectives run under now (it moves with collective_timeout_steps)."""
         self._closed = False
 
+    def _check_process_group(self) -> None:
+        """torchft rebuilds its process group when the quorum's number changes, and a restarted
+        Lighthouse numbers its quorums from 1 again: a quorum of other members can come under
+        the number the group was built for, whose collectives would then wait for a replica
+        not in the step (or leave one out of the average). Such a step is discarded before it
+        starts (``StaleProcessGroup``); a later quorum of a new number rebuilds the group."""
+        if self.manager.errored() is not None:  # the quorum failed: the vote discards the step
+            return
+        built, members = self.pg.size(), self.manager.num_participants()
+        if built != members:
+            raise StaleProcessGroup(
+                f"the quorum has {members} replica(s), the process group was built for {built} "
+                f"(a restarted Lighthouse reused a quorum number)"
+            )
+
     def _raise_if_lighthouse_lost(self, error: Exception) -> None:
         """A quorum that failed because the Lighthouse stayed away (torchft retried it for
         ``quorum_timeout``) as ``LighthouseUnreachable``; any other failure is left as it is."""
@@ -329,6 +344,7 @@ class Replica:
         step_timeout = self.config.step_timeout
         try:
             try:
+                self._check_process_group()
                 t1 = time.perf_counter()
                 self.split_brain.run(self.heals != heals, self.recovery.guard)
                 timings["fingerprint"] = time.perf_counter() - t1  # ~0 unless compared
