@@ -592,10 +592,12 @@ class _SupervisedJob:
         ]
 
     def lost_steps(self, last: int) -> list[int]:
-        """Steps up to ``last`` that replica 0 never committed or committed twice."""
-        steps = [r["step"] for r in self.committed(0)]
-        missing = set(range(1, last + 1)) - set(steps)
-        return sorted(missing) + sorted({s for s in steps if steps.count(s) > 1})
+        """Steps up to ``last`` that no replica committed (one that healed past a step took it
+        from a replica that did), or that one replica committed twice."""
+        lives = [[r["step"] for r in self.committed(i)] for i in range(2)]
+        missing = set(range(1, last + 1)) - set(lives[0]) - set(lives[1])
+        twice = {s for steps in lives for s in steps if steps.count(s) > 1}
+        return sorted(missing | twice)
 
     def stop(self) -> int:
         """SIGTERM to the supervisor, as a scheduler sends it; its exit status."""
@@ -826,8 +828,9 @@ def lighthouse_loss(drill: Drill) -> ScenarioResult:
             "imports torchft) and torchft's retry of the quorum (the Manager retries about once "
             "a second for the quorum timeout, then reconfigures its process group for the new "
             "Lighthouse's quorum id). discarded_attempts: step attempts a replica discarded (a "
-            "collective that timed out when the replicas met the new Lighthouse at different "
-            "moments); each was re-run and committed jointly.",
+            "quorum of the new Lighthouse under the number of the old one, with other members: "
+            "StaleProcessGroup); each was re-run. A replica that the others went ahead of "
+            "healed from them.",
             "kept_down_seconds_from_kill_to_exit: the quorum timeout, a checkpoint and the "
             "process exit. The batches drawn for the step that could not start count as read "
             "in that checkpoint: a --resume continues after them.",
