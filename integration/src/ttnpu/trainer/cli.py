@@ -434,7 +434,8 @@ def _train(trainer: Any) -> int:
     try:
         trainer.train()
     except LighthouseUnreachable as err:
-        left = f"{err}; {trainer.stopped}; this replica leaves the job"
+        stopped = trainer.stopped or "no checkpoint written"
+        left = f"{err}; {stopped}; this replica leaves the job"
         print(f"ttnpu-train: {left}", file=sys.stderr)
         return EXIT_LIGHTHOUSE_LOST
     except PersistentSDCError as err:

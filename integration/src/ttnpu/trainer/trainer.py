@@ -474,7 +474,7 @@ class DSV4Trainer(Trainer):
     # -- the loop --------------------------------------------------------------------------------
     def train(self) -> None:
         config = self.config
-        self.checkpointer.load(step=config.checkpoint.load_step)
+        checkpointed = self.step if self.checkpointer.load(step=config.checkpoint.load_step) else -1
         self.stepper.set_step(self.step)
         loaded_step = self.step
         logger.info(f"Training starts at step {self.step + 1}")
@@ -499,19 +499,22 @@ class DSV4Trainer(Trainer):
                     logger.warning("Ran out of data; stopping.")
                     break
                 except LighthouseUnreachable:
-                    # No step can start: keep what was committed. The batches drawn for the
-                    # step that could not start are counted in the checkpointed data position.
-                    self.stopped = self._stop(schedule, False, "a lost Lighthouse")
+                    # No step can start: keep what was committed (a checkpoint written now counts
+                    # the batches drawn for the step that could not start as read).
+                    lost = "a lost Lighthouse"
+                    self.stopped = self._stop(schedule, checkpointed == self.step, lost)
                     raise
                 self._record(done)
                 onset = self.spikes.observe(self.step, done.loss)
                 if onset is not None:
                     schedule = self._roll_back(onset)
+                    checkpointed = self.step  # it loaded the checkpoint of this step
                     continue
                 last = self.step == config.training.steps
                 saved = False
                 if schedule.checkpoint_allowed:
                     saved = self.checkpointer.save(self.step, last_step=last)
+                    checkpointed = self.step if saved else checkpointed
                 elif last:
                     logger.warning(
                         f"the last step {self.step} is not checkpointed: anticipatory routing is "
