@@ -196,6 +196,7 @@ def test_a_lighthouse_address_needs_replicas_and_must_answer(
     assert "--lighthouse: cannot reach the Lighthouse at http://127.0.0.1:1" in (
         capsys.readouterr().err
     )
+    assert list(tmp_path.iterdir()) == []  # refused before the run folder is made
 
 
 def test_a_lighthouse_that_cannot_start_ends_the_launch_in_one_line_and_leaves_nothing(

@@ -557,6 +557,14 @@ def _launch(
             "--replicas starts its own processes; under torchrun use --fault_tolerance.enable "
             "with TORCHFT_LIGHTHOUSE instead"
         )
+    lighthouse = None
+    if args.lighthouse is not None:  # checked before the run folder is made
+        from ttnpu.ft import LighthouseUnreachable, check_lighthouse
+
+        try:
+            lighthouse = check_lighthouse(args.lighthouse)
+        except LighthouseUnreachable as err:
+            raise UsageError(f"--lighthouse: {err}") from None
     replicas = layout["replicas"]
     forwarded = ["--torchft-logs"] if args.torchft_logs else []
     if resume is not None:
@@ -577,14 +585,6 @@ def _launch(
         ]  # fmt: skip
     print(f"ttnpu-train: {config_name} x {replicas} replicas -> run folder {run}", flush=True)
     restarts = DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts
-    lighthouse = None
-    if args.lighthouse is not None:
-        from ttnpu.ft import LighthouseUnreachable, check_lighthouse
-
-        try:
-            lighthouse = check_lighthouse(args.lighthouse)
-        except LighthouseUnreachable as err:
-            raise UsageError(f"--lighthouse: {err}") from None
     from ttnpu.ft import LighthouseStartError
 
     try:

@@ -75,10 +75,10 @@ class ReplicaConfig:
     group_rank: int = 0
     group_world_size: int = 1
     store_addr: str | None = None  # the group's TCPStore; None with one rank: started here
+    store_port: int | None = None
     # The address the other replicas reach this group at (its Manager, its store, its heal
     # transfers); None: this host's name. Set it on a host with several networks.
     host: str | None = None
-    store_port: int | None = None
     bucket_cap_mb: float = 4.0  # gradients at least this large are reduced alone, in place
     # Weights are compared across replicas when the quorum's membership changes (split brain,
     # see ttnpu.ft.fingerprint) and, when > 0, also every this many steps (two reads of them).
