@@ -258,4 +258,5 @@ def test_the_rollback_target_is_the_newest_verified_checkpoint_before_the_onset(
     (tmp_path / "step-2" / CHECKSUMS).unlink()
     with pytest.raises(NoRollbackTargetError, match=r"not verified: step 5 .*; step 4 .*; step 2"):
         guard.plan(tmp_path, onset=7)
-    assert SpikeGuard.discard_after(plan) == [tmp_path / "step-8"]  # the unverified stay
+    # the checkpoints at or after the onset go; the unverified ones before it stay
+    assert SpikeGuard.discard_from(tmp_path, plan.onset) == [tmp_path / "step-8"]

@@ -196,7 +196,7 @@ def test_the_rollback_plan_reads_the_parts_from_dcp_metadata(tmp_path: Path) -> 
     assert plan.target.step == 4 and [i.step for i, _ in plan.skipped] == [6]
     plan = guard.plan(tmp_path, onset=5)
     assert plan.target.step == 4
-    deleted = SpikeGuard.discard_after(guard.plan(tmp_path, onset=4))
+    deleted = SpikeGuard.discard_from(tmp_path, onset=4)
     assert sorted(p.name for p in deleted) == ["step-4", "step-6"]
     assert not (tmp_path / "step-4").exists() and (tmp_path / "step-2").exists()
 

@@ -190,6 +190,14 @@ def wait_for(what: str, cond: Callable[[], Any], procs: list[subprocess.Popen[by
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def reap(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kill whatever a test left running."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture
 def lighthouse() -> Iterator[EmbeddedLighthouse]:
     with EmbeddedLighthouse(
@@ -249,10 +257,7 @@ def test_a_killed_replica_leaves_the_other_training_and_a_new_one_rejoins_with_l
             proc.kill()
             proc.wait()
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        reap(procs)
     joint = [r for r in steps(rejoined) if r["participants"] == 2]
     assert joint and joint[0]["step"] == heal["step"] + 1
     # its data shard moved on as far as the step did (one batch a step), and the learning rate
@@ -342,10 +347,7 @@ def test_a_replica_restarted_during_anticipatory_routing_heals_into_the_same_pha
             for i, proc in enumerate(procs):
                 assert proc.wait(timeout=600) == 0, (tmp_path / f"r{i}.log").read_text()[-3000:]
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            reap(procs)
     for run in runs:
         [rollback, *_] = events(run, "rollback")
         assert (rollback["onset"], rollback["step"]) == (10, 8)
@@ -366,3 +368,80 @@ def test_a_replica_restarted_during_anticipatory_routing_heals_into_the_same_pha
         model_weights(runs[0] / "checkpoint" / "step-20", tmp_path),
         model_weights(runs[1] / "checkpoint" / "step-20", tmp_path),
     )
+
+
+def test_a_replacement_without_the_rollback_target_rolls_back_by_healing(tmp_path: Path) -> None:
+    """Replica 1 is killed after the step-4 checkpoint and replaced by a process with an empty
+    run folder (a new node), which heals from replica 0. The spike at step 8 comes before the
+    replacement wrote any checkpoint: replica 0 rolls back to step 4, the replacement (no
+    target; before this, ``NoRollbackTargetError`` ended it) goes back to step 0 and the start
+    of its data and heals to replica 0's step 4 at the next quorum. From then on both train in
+    the same routing phase on the same averaged losses and end with the same weights."""
+    spike = ["--training.steps", "16", "--checkpoint.interval", "4", "--spike.enable",
+             "--spike.warmup_steps", "5", "--spike.delay_steps", "2", "--spike.active_steps", "3",
+             "--spike.inject_step", "8",
+             "--fault_tolerance.quorum_timeout_seconds", "300"]  # fmt: skip
+
+    def start(i: int, name: str, address: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "ttnpu.trainer.cli", "--dump_folder", str(tmp_path),
+               "--run-name", name, *SMALL, *spike, *replica_args(i, 2, 2, address)]  # fmt: skip
+        with (tmp_path / f"{name}.log").open("a") as log:
+            return subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT)
+
+    first, replacement = tmp_path / "r0", tmp_path / "r1-new"
+    with EmbeddedLighthouse(min_replicas=2, join_timeout_ms=30_000) as lighthouse:
+        procs = [start(0, "r0", lighthouse.address), start(1, "r1", lighthouse.address)]
+        try:
+            wait_for("replica 1 at step 4", lambda: steps(tmp_path / "r1")[3:], procs)
+            procs[1].send_signal(signal.SIGKILL)
+            procs[1].wait()
+            procs[1] = start(1, "r1-new", lighthouse.address)
+            for proc, name in zip(procs, ("r0", "r1-new"), strict=True):
+                assert proc.wait(timeout=600) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        finally:
+            reap(procs)
+    [rollback] = events(first, "rollback")
+    assert (rollback["onset"], rollback["step"], rollback["healing"]) == (8, 4, False)
+    [joined, healed] = events(replacement, "heal")
+    assert joined["step"] < 8
+    [gone_back] = events(replacement, "rollback")
+    assert (gone_back["onset"], gone_back["step"], gone_back["healing"]) == (8, 0, True)
+    assert healed["step"] == 4 and healed["time"] > gone_back["time"]
+    live = [
+        {r["step"]: r for r in steps(run) if not r.get("superseded")}
+        for run in (first, replacement)
+    ]
+    assert sorted(live[1]) == list(range(joined["step"] + 1, 17))
+    after = range(5, 17)
+    assert [live[1][s]["loss"] for s in after] == [live[0][s]["loss"] for s in after]
+    # the healing step trained on its own plan; from the next one it routes in replica 0's phase
+    assert [live[1][s]["phase"] for s in after[1:]] == [live[0][s]["phase"] for s in after[1:]]
+    assert live[0][6]["phase"] == "active"
+    saved = [{p.parent.name for p in (run / "checkpoint").glob("step-*/ttnpu-sha256.json")}
+             for run in (first, replacement)]  # fmt: skip
+    assert saved[1] == {"step-12", "step-16"} and saved[1] <= saved[0]
+    assert_same_weights(
+        model_weights(first / "checkpoint" / "step-16", tmp_path),
+        model_weights(replacement / "checkpoint" / "step-16", tmp_path),
+    )
+
+
+def test_a_spike_that_no_replica_can_roll_back_ends_before_training_on(
+    tmp_path: Path, lighthouse: EmbeddedLighthouse
+) -> None:
+    """A fault-tolerant replica with no checkpoint before the spike waits to be healed from
+    one that has; when its quorum holds no such replica it stops at its next step with one line
+    instead of training on the spiked weights."""
+    run = tmp_path / "alone"
+    result = train(
+        run, "--training.steps", "12", "--checkpoint.interval", "10", "--spike.enable",
+        "--spike.warmup_steps", "5", "--spike.inject_step", "7",
+        *replica_args(0, 1, 1, lighthouse.address),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    [line] = [x for x in result.stderr.splitlines() if x.startswith("ttnpu-train:")]
+    assert "no replica in the quorum holds a rollback target" in line
+    [rollback] = events(run, "rollback")
+    assert (rollback["onset"], rollback["step"], rollback["healing"]) == (7, 0, True)
+    assert max(r["step"] for r in steps(run)) == 7  # nothing trained after the spike
+    assert not list((run / "checkpoint").glob("step-*"))

@@ -34,7 +34,8 @@ corruption; 4 (``EXIT_SPLIT_BRAIN``) for a replica group whose weights differ fr
 left with a checkpoint of its last committed step (all three recorded in the run folder's
 ``left.json``, so a torchelastic restart does not bring the replica back);
 1 for a replica whose supervisor vanished and that could not stop within
-``ORPHAN_GRACE_SECONDS``; 130 for a second SIGINT.
+``ORPHAN_GRACE_SECONDS``, and for a loss spike that no checkpoint before its onset can undo (on
+no replica); 130 for a second SIGINT.
 """
 
 from __future__ import annotations
@@ -423,6 +424,7 @@ def _run(argv: Sequence[str], signals: StopSignals) -> int:
 
 def _train(trainer: Any) -> int:
     from ttnpu.ft import LighthouseUnreachable, SplitBrainError
+    from ttnpu.routing import NoRollbackTargetError
 
     from .features import (
         EXIT_LIGHTHOUSE_LOST,
@@ -444,6 +446,9 @@ def _train(trainer: Any) -> int:
     except SplitBrainError as err:
         print(f"ttnpu-train: {err}", file=sys.stderr)
         return EXIT_SPLIT_BRAIN
+    except NoRollbackTargetError as err:
+        print(f"ttnpu-train: loss spike with nothing to roll back to: {err}", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
         import torch.distributed as dist

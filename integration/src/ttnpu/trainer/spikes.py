@@ -129,10 +129,10 @@ class SpikeGuard:
         return replace(plan, skipped=tuple(skipped))
 
     @staticmethod
-    def discard_after(plan: RollbackPlan) -> list[Path]:
-        """Delete the checkpoints at or after the onset: they hold the spike (a later resume must
-        not pick them). Returns what was deleted."""
-        doomed = [Path(info.location) for info, _ in plan.skipped if info.step >= plan.onset]
+    def discard_from(folder: Path, onset: int) -> list[Path]:
+        """Delete the complete checkpoints at or after the onset: they hold the spike (a later
+        resume must not pick them). Returns what was deleted."""
+        doomed = [Path(info.location) for info in checkpoint_infos(folder) if info.step >= onset]
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)
         return doomed

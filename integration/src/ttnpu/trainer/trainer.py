@@ -40,7 +40,13 @@ from torchtitan.trainer import Trainer
 
 from ttnpu.dsv4.ac_compile import check_options
 from ttnpu.ft import LighthouseUnreachable
-from ttnpu.routing import AnticipatorySchedule, DataExhaustedError, Phase, TrainingStep
+from ttnpu.routing import (
+    AnticipatorySchedule,
+    DataExhaustedError,
+    NoRollbackTargetError,
+    Phase,
+    TrainingStep,
+)
 
 from .corpus import register_dataset
 from .features import (
@@ -184,9 +190,14 @@ class DSV4Trainer(Trainer):
     anticipation_from: int | None = None
     """The step the replicas rolled back to and started anticipatory routing from, until the
     routing is NORMAL again; part of the training state."""
+    step: int  # torchtitan's, set in its __init__
     ntokens_seen: int  # torchtitan's, set in its __init__
     _progress_start: tuple[int, float] | None = None
     _stop_asked_by: str | None = None
+    _heal_for_rollback: tuple[int, str] | None = None
+    """After a rollback with no target here: the heal count it waits to see grow, and why."""
+    _data_at_start: dict[str, Any]
+    """The data position before anything was loaded: where a rollback healed from step 0 starts."""
     stopped: Stopped | None = None
     """Set when :meth:`train` ended on an agreed stop."""
 
@@ -304,6 +315,11 @@ class DSV4Trainer(Trainer):
         """Every micro-batch of the step (under route replay and the SDC checks); returns the
         step's mean loss over this replica's valid tokens. A detection vetoes the step on every
         replica as it is reported (``SDCGuard.veto_through``)."""
+        if self._heal_for_rollback is not None and self.stepper.heals == self._heal_for_rollback[0]:
+            raise NoRollbackTargetError(
+                f"replica {self.replica_id}: no replica in the quorum holds a rollback target "
+                f"(here: {self._heal_for_rollback[1]})"
+            )
         step = self.step + 1  # after the quorum: a heal has set self.step
         attempt.tokens_before = self.ntokens_seen  # (a heal has set that too)
         self.spikes.maybe_inject(step)
@@ -395,6 +411,8 @@ class DSV4Trainer(Trainer):
         )
 
     def _log_heal(self) -> None:
+        self._heal_for_rollback = None
+        self.step_log.supersede_after(self.step)  # a heal after a rollback to step 0 goes back
         moved = {}
         if isinstance(self.stepper, ReplicaStepper):
             replica = self.stepper.replica
@@ -402,27 +420,45 @@ class DSV4Trainer(Trainer):
         self.step_log.write(event="heal", step=self.step, replica=self.replica_id, **moved)
 
     def _roll_back(self, onset: int) -> AnticipatorySchedule[Batch]:
-        """Restore the newest checkpoint before ``onset`` and start anticipatory routing."""
+        """Restore the newest verified checkpoint before ``onset`` and start anticipatory routing.
+
+        Under fault tolerance the target is agreed at the next quorum: torchft heals every
+        replica behind the highest step to it, so the replicas continue from the newest target
+        any of them holds. A replica that holds none (it joined after the target was written,
+        or its copies are corrupt) goes back to step 0 and the start of its data, and is healed
+        there; if no replica held one, its next step raises ``NoRollbackTargetError``."""
         folder = Path(self.checkpointer.folder)
         allow = getattr(self.config.checkpoint, "allow_unverified", False)
-        plan = self.spikes.plan(folder, onset, allow_unverified=allow)
         spiked_at = self.step
-        self.checkpointer.load(step=plan.target.step)
+        try:
+            plan = self.spikes.plan(folder, onset, allow_unverified=allow)
+        except NoRollbackTargetError as missing:
+            if not isinstance(self.stepper, ReplicaStepper):
+                raise
+            self.dataloader.load_state_dict(self._data_at_start)
+            self.step = 0
+            self._heal_for_rollback = (self.stepper.heals, str(missing))
+        else:
+            self.checkpointer.load(step=plan.target.step)
+            self.step_log.supersede_after(self.step)
         self.stepper.set_step(self.step)
-        self.step_log.supersede_after(self.step)
-        discarded = self.spikes.discard_after(plan)
+        discarded = self.spikes.discard_from(folder, onset)
         self.spikes.detector.reset()
         schedule = self.spikes.schedule(self.dataloader, self.step)
-        if self.config.spike.anticipatory:
-            schedule.trigger()
-            self.anticipation_from = self.step
-        logger.warning(
-            f"loss spike (onset step {onset}, seen at step {spiked_at}): rolled back to step "
-            f"{self.step}; routing phase {schedule.phase.name}"
-        )
+        spike = f"loss spike (onset step {onset}, seen at step {spiked_at})"
+        if self._heal_for_rollback is not None:  # the heal brings the others' routing phase
+            logger.warning(f"{spike}: no rollback target here, healing from a replica that has one")
+        else:
+            if self.config.spike.anticipatory:
+                schedule.trigger()
+                self.anticipation_from = self.step
+            logger.warning(
+                f"{spike}: rolled back to step {self.step}; routing phase {schedule.phase.name}"
+            )
         self.step_log.write(
             event="rollback", onset=onset, detected_at=spiked_at, step=self.step,
             discarded=[str(p) for p in discarded], replica=self.replica_id,
+            healing=self._heal_for_rollback is not None,
         )  # fmt: skip
         return schedule
 
@@ -474,6 +510,7 @@ class DSV4Trainer(Trainer):
     # -- the loop --------------------------------------------------------------------------------
     def train(self) -> None:
         config = self.config
+        self._data_at_start = self.dataloader.state_dict()
         checkpointed = self.step if self.checkpointer.load(step=config.checkpoint.load_step) else -1
         self.stepper.set_step(self.step)
         loaded_step = self.step
@@ -508,7 +545,8 @@ class DSV4Trainer(Trainer):
                 onset = self.spikes.observe(self.step, done.loss)
                 if onset is not None:
                     schedule = self._roll_back(onset)
-                    checkpointed = self.step  # it loaded the checkpoint of this step
+                    # it loaded the checkpoint of this step, unless it waits for a heal
+                    checkpointed = -1 if self._heal_for_rollback is not None else self.step
                     continue
                 last = self.step == config.training.steps
                 saved = False
@@ -549,7 +587,13 @@ class DSV4Trainer(Trainer):
         routing forbids one)."""
         why = why or self._stop_asked_by or "the request of another rank or replica"
         checkpoint = Path(self.checkpointer._create_checkpoint_id(self.step))
-        if not schedule.checkpoint_allowed:
+        if self._heal_for_rollback is not None:
+            stopped = Stopped(
+                why, self.step, None,
+                "no checkpoint: this replica held no rollback target and has not healed yet "
+                "(its weights are the spike's)",
+            )  # fmt: skip
+        elif not schedule.checkpoint_allowed:
             stopped = Stopped(
                 why, self.step, None,
                 f"no checkpoint: anticipatory routing is in {schedule.phase.name} (checkpoints "
