@@ -279,6 +279,17 @@ def test_two_replicas_veto_sum_moe_counters_and_average_the_loss(
     replicas = in_parallel(
         [lambda i=i: make_replica(i, lighthouse.address, make_model) for i in range(2)]
     )
+    sizes: list[list[int]] = [[], []]
+    for r, seen in zip(replicas, sizes, strict=True):
+        allreduce = r.manager.allreduce
+
+        def recording(
+            t: torch.Tensor, seen: list[int] = seen, f: Any = allreduce, **kw: Any
+        ) -> Any:
+            seen.append(t.numel())
+            return f(t, **kw)
+
+        r.manager.allreduce = recording  # type: ignore[method-assign]
     try:
 
         def train(r: Replica, seed: int, veto_at: int) -> list[Any]:
@@ -320,6 +331,14 @@ def test_two_replicas_veto_sum_moe_counters_and_average_the_loss(
         # the averaged output is the same on both replicas: the mean of the two local values
         for a, b in zip(out[0], out[1], strict=True):
             assert torch.equal(a[0].output, b[0].output)
+        # after each step's gradient flags, one all-reduce: veto, stop, loss and the counters
+        counts = sum(
+            m.tokens_per_expert.numel() for m in (replicas[0].model[1], replicas[0].model[2])
+        )
+        flags = 1 + len(list(replicas[0].model.parameters()))
+        for seen in sizes:
+            assert [seen[i + 1] for i, n in enumerate(seen) if n == flags] == [3 + counts] * 3
+            assert seen[-1] == 3 + counts
         for a, b in zip(
             replicas[0].model.parameters(), replicas[1].model.parameters(), strict=True
         ):
@@ -498,7 +517,7 @@ def test_a_peer_lost_during_the_veto_vote_is_recovered(
         replica = make_replica(0, lh.address, make_model)
         try:
 
-            def peer_lost() -> bool:
+            def peer_lost(payload: torch.Tensor | None = None) -> bool:
                 raise RuntimeError("Connection closed by peer")
 
             monkeypatch.setattr(replica.veto, "vote", peer_lost)

@@ -114,7 +114,7 @@ def _arm_round(records: list[dict[str, Any]]) -> dict[str, float]:
     """One arm in one round: median wall and CPU seconds per step (both ranks' steps) and FT's
     own calls as a fraction of the step."""
     own = [
-        (r["timings"]["quorum"] + r["timings"]["vote_commit"]) / r["seconds"]
+        sum(r["timings"][k] for k in ("quorum", "vote", "commit")) / r["seconds"]
         for r in records
         if "timings" in r
     ]
@@ -231,9 +231,9 @@ def _ratios(args: argparse.Namespace, records: list[dict[str, Any]]) -> dict[str
         figures[f"step_s_{arm}"] = step_s
         figures[f"cpu_s_per_step_{arm}"] = median(r[arm]["cpu_s"] for r in rounds)
     figures["ft_own_calls_fraction_of_step"] = median(r["ft"]["own_fraction"] for r in rounds)
-    figures["ft_step_parts_s"] = {  # quorum start+wait, waits after the backward, vote+commit
+    figures["ft_step_parts_s"] = {  # quorum start+wait, waits after the backward, vote, commit
         key: median(r["ft"][key] for r in rounds)
-        for key in ("quorum_s", "allreduce_s", "vote_commit_s")
+        for key in ("quorum_s", "allreduce_s", "vote_s", "commit_s")
     }
     return figures
 

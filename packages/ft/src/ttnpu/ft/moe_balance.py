@@ -12,7 +12,7 @@ import torch
 from torch.distributed import ReduceOp
 from torchft import Manager
 
-__all__ = ["expert_counters", "sum_expert_counts_across_replicas"]
+__all__ = ["expert_counters", "pack_counts", "sum_expert_counts_across_replicas", "unpack_counts"]
 
 
 def expert_counters(model: torch.nn.Module, attr: str = "tokens_per_expert") -> list[torch.Tensor]:
@@ -25,25 +25,35 @@ def expert_counters(model: torch.nn.Module, attr: str = "tokens_per_expert") -> 
     return counters
 
 
+def pack_counts(counters: list[torch.Tensor]) -> torch.Tensor:
+    """The counters flattened into one float64 tensor (integer counts stay exact up to 2**53)."""
+    return torch.cat([c.detach().reshape(-1).to(torch.float64) for c in counters])
+
+
+def unpack_counts(counters: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Write ``flat`` (as :func:`pack_counts` laid it out) back into the counters, in place."""
+    offset = 0
+    with torch.no_grad():
+        for counter in counters:
+            n = counter.numel()
+            counter.copy_(flat[offset : offset + n].view_as(counter).to(counter))
+            offset += n
+
+
 def sum_expert_counts_across_replicas(
     manager: Manager, model: torch.nn.Module, attr: str = "tokens_per_expert"
 ) -> int:
     """Replace every MoE token counter by its sum over the participating replicas, in place.
 
-    One all-reduce for all counters (flattened, in float64 so integer counts stay exact up to
-    2**53). Call it after backward and before the optimizer's bias update (torchtitan runs the
-    update as an optimizer pre-step hook). A healing replica contributes zeros, as torchft does
-    for gradients. Returns the number of counters reduced.
+    One all-reduce for all counters. Call it after backward and before the optimizer's bias
+    update (torchtitan runs the update as an optimizer pre-step hook). A healing replica
+    contributes zeros, as torchft does for gradients. Returns the number of counters reduced.
+    (:class:`~ttnpu.ft.Replica` does this inside its veto vote's all-reduce instead.)
     """
     counters = expert_counters(model, attr)
     if not counters:
         return 0
-    flat = torch.cat([c.detach().reshape(-1).to(torch.float64) for c in counters])
+    flat = pack_counts(counters)
     manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-    offset = 0
-    with torch.no_grad():
-        for counter in counters:
-            n = counter.numel()
-            counter.copy_(flat[offset : offset + n].view_as(counter).to(counter.dtype))
-            offset += n
+    unpack_counts(counters, flat)
     return len(counters)

@@ -26,12 +26,12 @@ from torchft.checkpointing.transport import CheckpointTransport
 from ttnpu.ft.devices import DeviceAdapter, select_adapter
 from ttnpu.ft.fingerprint import SplitBrainCheck
 from ttnpu.ft.lighthouse import LighthouseUnreachable, check_lighthouse
-from ttnpu.ft.moe_balance import sum_expert_counts_across_replicas
+from ttnpu.ft.moe_balance import expert_counters, pack_counts, unpack_counts
 from ttnpu.ft.recovery import StaleProcessGroup, StepRecovery
 from ttnpu.ft.reducer import GradientReducer, ReductionCheck
 from ttnpu.ft.snapshot import ReplicaState, Stateful
 from ttnpu.ft.transport import SocketTransport
-from ttnpu.ft.veto import CommitVeto
+from ttnpu.ft.veto import CommitVeto, Vote
 
 __all__ = ["LRScheduler", "ReductionCheck", "Replica", "ReplicaConfig", "StepResult"]
 
@@ -134,11 +134,11 @@ class Replica:
     ``run_step(fn)``: quorum (and heal, applied on this thread) -> weights fingerprint compared
     across replicas when the membership changed (``SplitBrainError`` on a minority whose weights
     differ at the same step; see :mod:`ttnpu.ft.fingerprint`) -> ``fn()`` (forward/backward;
-    gradients are averaged across replicas in buckets during the backward) -> MoE token counters
-    summed across replicas -> veto vote (which also agrees a requested stop: ``StepResult.stop``)
-    -> ``should_commit`` -> optimizer and LR scheduler step under the recovery lock. A discarded
-    step cleans the training site and the LR scheduler does not move; whether its data is retried
-    or skipped is the caller's choice.
+    gradients are averaged across replicas in buckets during the backward) -> veto vote, one
+    all-reduce that also agrees a requested stop (``StepResult.stop``), sums the MoE token
+    counters and averages the output -> ``should_commit`` -> optimizer and LR scheduler step
+    under the recovery lock. A discarded step cleans the training site and the LR scheduler does
+    not move; whether its data is retried or skipped is the caller's choice.
     """
 
     def __init__(
@@ -208,6 +208,7 @@ class Replica:
             checkpoint_transport=checkpoint_transport or SocketTransport(config.timeout, host),
         )
         self.veto = CommitVeto(self.manager, self.adapter.device)
+        self._counters = expert_counters(model)  # MoE token counters, summed in the vote
         self.reducer = GradientReducer(
             [p for p in model.parameters() if p.requires_grad],
             self.manager,
@@ -292,10 +293,6 @@ class Replica:
         """Backwards inside only accumulate: all but the last micro-batch of a step (as DDP's)."""
         return self.reducer.no_sync()
 
-    def sum_expert_counts(self) -> int:
-        """Sum MoE ``tokens_per_expert`` counters across replicas (call before the bias update)."""
-        return sum_expert_counts_across_replicas(self.manager, self.model)
-
     def set_step(self, step: int) -> None:
         """Align torchft's step counter with a training step loaded from a checkpoint (a resume or
         a rollback), on every replica alike: the quorum heals replicas behind the highest step."""
@@ -303,15 +300,34 @@ class Replica:
             raise ValueError(f"Replica.set_step: step must be >= 0, got {step}")
         self.manager.load_state_dict({"step": step, "batches_committed": step})
 
-    def _average(self, value: Any) -> torch.Tensor:
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"run_step(average_output=True) needs fn to return a tensor, got "
-                f"{type(value).__name__}"
-            )
-        averaged = value.detach().to(torch.float32).clone()
-        self.manager.allreduce(averaged).wait()
-        return averaged
+    def _payload(self, output: Any, average: bool) -> torch.Tensor | None:
+        """What the vote sums besides its flags: the output to average, then the counters."""
+        parts = []
+        if average:
+            if not isinstance(output, torch.Tensor):
+                raise TypeError(
+                    f"run_step(average_output=True) needs fn to return a tensor, got "
+                    f"{type(output).__name__}"
+                )
+            parts.append(output.detach().reshape(-1).to(torch.float64))
+        if self._counters:
+            parts.append(pack_counts(self._counters))
+        return torch.cat([p.to(self.adapter.device) for p in parts]) if parts else None
+
+    def _unpack(self, vote: Vote, output: Any, average: bool) -> Any:
+        """Counters become their sums over the replicas; the output (with ``average``) their
+        mean over the participants, as float32 on its own device."""
+        summed = vote.payload
+        if summed is None:
+            return output
+        if average:
+            n = output.numel()
+            mean = summed[:n] / self.manager.num_participants()
+            output = mean.view(output.shape).to(dtype=torch.float32, device=output.device)
+            summed = summed[n:]
+        if self._counters:
+            unpack_counts(self._counters, summed)
+        return output
 
     def run_step(
         self,
@@ -358,11 +374,13 @@ class Replica:
             t2 = time.perf_counter()
             timings["quorum"] += self.reducer.quorum_wait_s
             timings["allreduce"] = self.reducer.finish_s  # the waits left after the backward
-            self.recovery.guard("sum_expert_counts", self.sum_expert_counts)
-            if average_output:
-                output = self.recovery.guard("average_output", lambda: self._average(output))
-            # A peer that dies between the all-reduce and the vote is caught here too.
-            vote = self.recovery.guard("veto", self.veto.vote)
+            # One all-reduce: the veto, the stop, the loss to average and the MoE counters. A
+            # peer that dies between the gradient all-reduce and the vote is caught here too.
+            vote = self.recovery.guard(
+                "veto", lambda: self.veto.vote(self._payload(output, average_output))
+            )
+            output = self._unpack(vote, output, average_output)
+            timings["vote"] = time.perf_counter() - t2
         except Exception as error:
             if not self.recovery.is_recoverable(error):
                 raise
@@ -378,8 +396,9 @@ class Replica:
                 timings=timings,
             )
         participants = self.reducer.contributors
+        t3 = time.perf_counter()
         committed = self.manager.should_commit()
-        timings["vote_commit"] = time.perf_counter() - t2
+        timings["commit"] = time.perf_counter() - t3
         if committed:
             self.recovery.apply_update(lambda: self._update(before_update))
             self._step_seconds.append(time.perf_counter() - t0)

@@ -2,13 +2,17 @@
 
 torchft's ``should_commit`` is an AND over the ranks of *one* replica group: a replica that spots a
 problem (an SDC event, a NaN loss) only drops its own update while the others commit a step that
-already contains its gradient. The veto is one MAX all-reduce through the Manager before
-``should_commit``: if any replica raised a flag, every replica reports an error and skips the step,
-so weights stay identical everywhere and nobody needs to heal.
+already contains its gradient. The veto is one all-reduce (a SUM of 0/1 flags) through the
+Manager before ``should_commit``: if any replica raised a flag, every replica reports an error
+and skips the step, so weights stay identical everywhere and nobody needs to heal.
 
 The same all-reduce carries a second value, "stop requested": a replica asked to stop (SIGTERM)
 must not leave alone, or the others wait for it in their next quorum. When any replica requested
 it, every replica learns so in the same vote and all stop after the same step.
+
+The vote may carry a payload that the step sums across replicas anyway (the loss to average, the
+MoE token counters): one small all-reduce a step instead of three, each a round trip on the
+critical path between the backward and the commit.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class Vote:
 
     vetoed: bool  # some replica raised a flag: nobody commits the step
     stop: bool  # some replica requested a stop: everybody stops after the step
+    payload: torch.Tensor | None = None  # the payload summed over the replicas (float64)
 
 
 class CommitVeto:
@@ -66,15 +71,21 @@ class CommitVeto:
         with self._lock:
             return list(self._reasons)
 
-    def vote(self) -> Vote:
-        """MAX all-reduce of [flag, stop]; on a veto, report ``CommitVetoed``."""
+    def vote(self, payload: torch.Tensor | None = None) -> Vote:
+        """SUM all-reduce of [flag, stop, *payload] (flags are 0 or 1: a sum above 0 is "any");
+        on a veto, report ``CommitVetoed``. ``payload`` (any shape) comes back flattened in
+        ``Vote.payload``, summed in float64: integer counts stay exact up to 2**53."""
         with self._lock:
             reasons, self._reasons = self._reasons, []
-        votes = torch.tensor([float(bool(reasons)), float(self._stop)], device=self._device)
-        self._manager.allreduce(votes, reduce_op=ReduceOp.MAX).wait()
-        vetoed, stop = (bool(v > 0) for v in votes.tolist())
+        votes = torch.tensor(
+            [float(bool(reasons)), float(self._stop)], dtype=torch.float64, device=self._device
+        )
+        if payload is not None:
+            votes = torch.cat((votes, payload.detach().reshape(-1).to(votes)))
+        self._manager.allreduce(votes, reduce_op=ReduceOp.SUM).wait()
+        vetoed, stop = (bool(v > 0) for v in votes[:2].tolist())
         if vetoed:
             local = "; ".join(reasons) if reasons else "raised by another replica"
             self._manager.report_error(CommitVetoed(f"step vetoed: {local}"))
             self.vetoed_steps += 1
-        return Vote(vetoed=vetoed, stop=stop)
+        return Vote(vetoed=vetoed, stop=stop, payload=votes[2:] if payload is not None else None)
