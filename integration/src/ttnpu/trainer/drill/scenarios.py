@@ -64,6 +64,9 @@ class Sizes:
     campaign: tuple[int, int, int, int, int] = (2000, 2000, 300, 500, 500)
     """matmul trials, clean products, gradient trials, all-reduce trials, clean all-reduces."""
     spike_steps: int = 30
+    kept_down_quorum_timeout: int = 30
+    """Seconds the replicas of lighthouse-loss's kept-down run wait for a Lighthouse before they
+    checkpoint and exit (``--fault_tolerance.quorum_timeout_seconds``; 120 by default)."""
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -77,6 +80,7 @@ class Sizes:
             sdc_flips=((3, 30),),
             campaign=(300, 300, 40, 100, 100),
             spike_steps=16,
+            kept_down_quorum_timeout=15,
         )
 
 
@@ -713,9 +717,6 @@ def replica_restart(drill: Drill) -> ScenarioResult:
 
 
 _LIGHTHOUSE_PID = re.compile(r"Lighthouse at \S+ \(pid (\d+)\)")
-_KEPT_DOWN_QUORUM_TIMEOUT = 30
-"""Seconds the replicas of the kept-down run wait for a Lighthouse before they checkpoint and exit
-(``--fault_tolerance.quorum_timeout_seconds``; 120 by default)."""
 
 
 def _step_times(label: str, committed: list[dict[str, Any]], t0: float) -> Curve:
@@ -730,6 +731,7 @@ def lighthouse_loss(drill: Drill) -> ScenarioResult:
     Lighthouse given by ``--lighthouse`` (nobody restarts it): after the quorum timeout each
     replica writes a checkpoint of its last committed step and exits with one line."""
     dump = drill.runs("lighthouse-loss")
+    kept_down_timeout = drill.sizes.kept_down_quorum_timeout
     job = _SupervisedJob(dump, "restarted", _kill_args(drill))
     try:
         job.wait_joint(0, 3)
@@ -758,13 +760,13 @@ def lighthouse_loss(drill: Drill) -> ScenarioResult:
             dump,
             "kept-down",
             ["--lighthouse", external.address, *_kill_args(drill),
-             "--fault_tolerance.quorum_timeout_seconds", str(_KEPT_DOWN_QUORUM_TIMEOUT)],
+             "--fault_tolerance.quorum_timeout_seconds", str(kept_down_timeout)],
         )  # fmt: skip
         try:
             kept.wait_joint(0, 3)
             os.kill(external.pid or 0, signal.SIGKILL)
             kept_at = time.time()
-            kept_status = kept.process.wait(timeout=_KEPT_DOWN_QUORUM_TIMEOUT + STOP_GRACE_SECONDS)
+            kept_status = kept.process.wait(timeout=kept_down_timeout + STOP_GRACE_SECONDS)
             ended = time.time()
         finally:
             kept.process.kill()
@@ -782,7 +784,7 @@ def lighthouse_loss(drill: Drill) -> ScenarioResult:
         summary="SIGKILL of the Lighthouse of ttnpu-train --replicas 2: the supervisor restarts "
         "it on the same address and both replicas train on; SIGTERM then stops both at one "
         "checkpointed step. SIGKILL of a Lighthouse given by --lighthouse, kept down: after "
-        f"the quorum timeout ({_KEPT_DOWN_QUORUM_TIMEOUT} s) each replica checkpoints its last "
+        f"the quorum timeout ({kept_down_timeout} s) each replica checkpoints its last "
         "committed step and exits with one line.",
         figures={
             "killed_after_step": step,
