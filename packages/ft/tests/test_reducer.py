@@ -183,8 +183,74 @@ def test_a_peer_killed_mid_bucketed_all_reduce_is_discarded_ten_times() -> None:
             survivor.close()
 
 
+def test_the_quorum_overlaps_the_forward_once_committed_and_a_heal_costs_every_replica_a_step() -> (
+    None
+):
+    """A replica that committed its last step computes the next quorum while its forward runs
+    (torchft's asynchronous quorum); one that may have to heal (its first step, or after a step
+    it did not commit) waits for it and heals before its forward. The step whose quorum held the
+    joiner is discarded by both (the one at the highest step trained it without knowing); the
+    next ones are joint."""
+    with EmbeddedLighthouse(min_replicas=1, join_timeout_ms=10_000, heartbeat_timeout_ms=500) as lh:
+        first = make_replica(0, lh.address)
+        modes: dict[int, list[bool]] = {0: [], 1: []}
+
+        def step(r: Replica, micro: int) -> Any:
+            def fn() -> None:
+                modes[r.config.replica_id].append(r.manager._use_async_quorum)
+                step_of(r, micro)
+
+            return r.run_step(fn)
+
+        try:
+            solo = [step(first, i) for i in range(3)]
+            assert all(s.committed for s in solo) and modes[0] == [False, True, True]
+            peer = make_replica(1, lh.address)
+            try:
+                start = threading.Barrier(2)
+
+                def until_two_joint(r: Replica) -> list[Any]:
+                    start.wait()
+                    done: list[Any] = []
+                    while sum(s.committed and s.participants == 2 for s in done) < 2:
+                        assert len(done) < 20, "the replicas never trained together"
+                        done.append(step(r, 3))
+                    return done
+
+                results = in_parallel(
+                    [lambda: until_two_joint(first), lambda: until_two_joint(peer)]
+                )
+                for r, (steps, previous) in zip(
+                    (first, peer), [(results[0], solo), (results[1], [])], strict=True
+                ):
+                    i = next(n for n, s in enumerate(steps) if not s.committed)
+                    assert [(s.committed, s.healing, s.vetoed) for s in steps[i:]] == [
+                        (False, True, False), (True, False, False), (True, False, False)
+                    ]  # fmt: skip
+                    assert all(s.participants == 1 for s in steps[:i])  # alone until then
+                    # asynchronous exactly after a committed step
+                    history = [*previous, *steps]
+                    mine = modes[r.config.replica_id]
+                    assert mine == [False] + [s.committed for s in history[:-1]]
+                assert (first.heals, peer.heals) == (0, 1)
+                assert_same(snapshot(first), snapshot(peer))
+            finally:
+                peer.close()
+        finally:
+            first.close()
+
+
+def commit_healing(replica: Replica, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` as a step until it commits: a step whose quorum held a replica behind the
+    others (a heal) is discarded by every replica, once."""
+    first = replica.run_step(fn)
+    if not first.committed:
+        assert first.healing, "only a heal may discard this step"
+        assert replica.run_step(fn).committed
+
+
 def kill_a_peer(survivor: Replica, address: str) -> tuple[Any, ...]:
-    """A new peer heals from the survivor in one step and dies in the middle of the next."""
+    """A new peer heals from the survivor and dies in the middle of the next step."""
     check = survivor.reduction_check
     assert isinstance(check, Judged)
     peer = make_replica(1, address, Judged())
@@ -192,13 +258,13 @@ def kill_a_peer(survivor: Replica, address: str) -> tuple[Any, ...]:
 
     def peer_steps() -> None:
         start.wait()
-        assert peer.run_step(lambda: step_of(peer, 0)).committed  # heals
+        commit_healing(peer, lambda: step_of(peer, 0))
         die_after_first_bucket(peer)
         peer.run_step(lambda: step_of(peer, 1))
 
     def survivor_steps() -> tuple[Any, ...]:
         start.wait()
-        assert survivor.run_step(lambda: step_of(survivor, 0)).committed
+        commit_healing(survivor, lambda: step_of(survivor, 0))
         before, judged = snapshot(survivor), check.judged
         result = survivor.run_step(lambda: step_of(survivor, 1))
         error = survivor.manager.errored()

@@ -43,6 +43,7 @@ class StepOutcome:
     loss: torch.Tensor | None  # averaged over the participating replicas
     vetoed: bool = False
     recovered: bool = False
+    healing: bool = False  # discarded by every replica: one healed in the step's quorum
     participants: int = 1
     stop: bool = False  # every rank and replica agreed to stop after this step
     timings: dict[str, float] = field(default_factory=dict)  # torchft's share of the step, s
@@ -187,6 +188,7 @@ class ReplicaStepper:
             loss=result.output,
             vetoed=result.vetoed,
             recovered=result.recovered,
+            healing=result.healing,
             participants=result.participants,
             stop=result.stop,
             timings={k: round(v, 4) for k, v in result.timings.items()},

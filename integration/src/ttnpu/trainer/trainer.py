@@ -372,11 +372,16 @@ class DSV4Trainer(Trainer):
         heals = self.stepper.heals
         for number in range(1, limit + 1):
             attempt = Attempt(number)
-            outcome = self.stepper.run(
-                partial(self._forward_backward, planned, attempt),
-                partial(self._before_update, attempt),
-                stop=self._stop_asked_by is not None,
-            )
+            try:
+                outcome = self.stepper.run(
+                    partial(self._forward_backward, planned, attempt),
+                    partial(self._before_update, attempt),
+                    stop=self._stop_asked_by is not None,
+                )
+            except Exception:
+                if attempt.tokens_before is not None:  # ended inside its forward: not trained on
+                    self.ntokens_seen = attempt.tokens_before
+                raise
             events = self.sdc.take_events() if self.sdc is not None else []
             if self.stepper.heals > heals:
                 heals = self.stepper.heals
@@ -397,7 +402,8 @@ class DSV4Trainer(Trainer):
             self.ntokens_seen -= tokens  # the attempt's tokens were not trained on
             self.step_log.write(
                 event="discarded", step=self.step + 1, attempt=number,
-                vetoed=outcome.vetoed, recovered=outcome.recovered, sdc_events=len(events),
+                vetoed=outcome.vetoed, recovered=outcome.recovered, healing=outcome.healing,
+                sdc_events=len(events),
                 replica=self.replica_id,
             )  # fmt: skip
             if number > 1 and SDCGuard.corrupted(events):

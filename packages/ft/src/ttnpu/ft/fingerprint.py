@@ -132,9 +132,15 @@ class SplitBrainCheck:
         self._quorum_id: int | None = None
         self.checks = 0  # exchanges made (the same count on every rank of the group)
 
-    def run(self, healed: bool, guard: Callable[[str, Callable[[], Any]], Any]) -> None:
+    def run(
+        self, healed: bool, guard: Callable[[str, Callable[[], Any]], Any], defer: bool = False
+    ) -> None:
         """Exchange and judge if due; raise :class:`SplitBrainError` on the minority. ``guard``
-        runs the all-reduce under the collective watchdog."""
+        runs the all-reduce under the collective watchdog. With ``defer`` (every replica alike:
+        a quorum holding a replica behind the others, whose step they all discard) a due
+        exchange waits for the next quorum."""
+        if defer:
+            return
         quorum_id = self._manager._quorum_id  # torchft reconfigures its process group on a change
         step = self._manager.current_step()
         due = quorum_id != self._quorum_id or (self._every > 0 and step % self._every == 0)
@@ -158,6 +164,12 @@ class SplitBrainCheck:
             verdict = self._agree_in_group(verdict, quorum_id)
         if verdict:
             raise SplitBrainError(verdict)
+
+    def skip(self) -> None:
+        """The step ended before this replica reached its check (it failed before its first
+        collective, once the quorum was in): remember the quorum as the others did when they ran
+        it, so that the next step's due decision is theirs."""
+        self._quorum_id = self._manager._quorum_id
 
     def _judge(self, table: torch.Tensor, step: int) -> str:
         rows = {int(r[0]) - 1: tuple(r[1:].tolist()) for r in table if r[0] > 0}

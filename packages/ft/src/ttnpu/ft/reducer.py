@@ -95,6 +95,8 @@ class GradientReducer:
 
     ``begin_step()`` before the step's first backward; ``finish()`` after its last (a no-op when
     the backward's own callback already finished); backwards under ``no_sync()`` only accumulate.
+    ``wait_quorum`` runs once a step before the first collective (the Manager's by default; a
+    replica's also checks the quorum there, which may still be computing while the forward runs);
     ``finish_guard`` wraps the waits (the replica's collective watchdog); ``on_corrupt`` is told
     when ``check`` rejects a bucket.
     """
@@ -109,6 +111,7 @@ class GradientReducer:
         check: ReductionCheck | None = None,
         on_corrupt: Callable[[str], None] = lambda reason: None,
         finish_guard: Callable[[Callable[[], None]], None] = lambda fn: fn(),
+        wait_quorum: Callable[[], None] | None = None,
     ) -> None:
         if cap_bytes < 1:
             raise ValueError(f"GradientReducer: cap_bytes must be >= 1, got {cap_bytes}")
@@ -117,6 +120,7 @@ class GradientReducer:
         self.check = check
         self.on_corrupt = on_corrupt
         self.finish_guard = finish_guard
+        self.wait_quorum = wait_quorum or manager.wait_quorum
         self.params = params
         self.buckets = _plan(params, cap_bytes)
         self._index = {id(p): n for n, b in enumerate(self.buckets) for p in b.params}
@@ -124,8 +128,7 @@ class GradientReducer:
         self._syncing = True
         self._active = False
         self.contributors = 1  # replicas whose gradients the last step averaged
-        self.quorum_wait_s = 0.0  # exposed waits of the last step
-        self.finish_s = 0.0
+        self.finish_s = 0.0  # the waits left after the backward in the last step
         self.end_step()
 
     # -- the step --------------------------------------------------------------------------------
@@ -133,7 +136,7 @@ class GradientReducer:
         """Start reducing: the step's gradients start from none (``zero_grad`` ran)."""
         self.end_step()
         self._active = True
-        self.quorum_wait_s = self.finish_s = 0.0
+        self.finish_s = 0.0
         self.contributors = 1
 
     def end_step(self) -> None:
@@ -159,9 +162,7 @@ class GradientReducer:
 
     def _solo(self) -> bool:
         if self._world is None:
-            t0 = time.perf_counter()
-            self.manager.wait_quorum()
-            self.quorum_wait_s += time.perf_counter() - t0
+            self.wait_quorum()
             self._world = 0 if self.manager.errored() else self.replica_world()
         return self._world == 1
 

@@ -115,6 +115,27 @@ class ReplicaConfig:
             raise ValueError("ReplicaConfig: a group of several ranks needs store_addr/store_port")
 
 
+class HealingStep(RuntimeError):
+    """Reported on every replica of a step whose quorum held a replica behind the others."""
+
+
+class _QuorumRecorder:
+    """torchft's ManagerClient, keeping the last quorum's result: its whole membership
+    (``replica_world_size``) beside the replicas at the highest step (``max_world_size``), which
+    is all torchft's asynchronous quorum reports as its participants."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.last: Any = None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
 @dataclass
 class StepResult:
     committed: bool
@@ -123,6 +144,7 @@ class StepResult:
     recovered: bool = False
     participants: int = 0  # replicas whose gradients the step averaged (a healing one's: none)
     stop: bool = False  # the replicas agreed to stop after this step (CommitVeto.request_stop)
+    healing: bool = False  # discarded by every replica: one of them healed in the step's quorum
     seconds: float = 0.0
     output: Any = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -131,13 +153,16 @@ class StepResult:
 class Replica:
     """A model + optimizer trained as one torchft replica group.
 
-    ``run_step(fn)``: quorum (and heal, applied on this thread) -> weights fingerprint compared
-    across replicas when the membership changed (``SplitBrainError`` on a minority whose weights
-    differ at the same step; see :mod:`ttnpu.ft.fingerprint`) -> ``fn()`` (forward/backward;
-    gradients are averaged across replicas in buckets during the backward) -> veto vote, one
+    ``run_step(fn)``: quorum started -> ``fn()`` (forward/backward; gradients are averaged
+    across replicas in buckets during the backward; before the first bucket the quorum is
+    awaited and checked: process group, weights fingerprint when the membership changed with
+    ``SplitBrainError`` on a minority, see :mod:`ttnpu.ft.fingerprint`) -> veto vote, one
     all-reduce that also agrees a requested stop (``StepResult.stop``), sums the MoE token
     counters and averages the output -> ``should_commit`` -> optimizer and LR scheduler step
-    under the recovery lock. A discarded step cleans the training site and the LR scheduler does
+    under the recovery lock. The quorum is asynchronous (computed while the forward runs) after a
+    committed step, synchronous otherwise (a heal due to this replica lands before its forward);
+    a quorum holding a replica behind the others discards the step everywhere
+    (``StepResult.healing``). A discarded step cleans the training site and the LR scheduler does
     not move; whether its data is retried or skipped is the caller's choice.
     """
 
@@ -188,10 +213,7 @@ class Replica:
             load_state_dict=self._load_snapshot,
             state_dict=self.state.snapshot,
             min_replica_size=config.min_replica_size,
-            # Synchronous: a replica heals before its forward and its step counts. torchft's
-            # async quorum would overlap the forward but zero a healing replica's gradients and
-            # its share of an averaged loss (at step 0, every replica but one).
-            use_async_quorum=False,
+            use_async_quorum=False,  # chosen per step (see run_step)
             timeout=config.timeout,
             quorum_timeout=config.quorum_timeout,
             quorum_retries=max(
@@ -217,7 +239,15 @@ class Replica:
             check=reduction_check,
             on_corrupt=self.veto.raise_flag,
             finish_guard=lambda finish: self.recovery.guard("allreduce_gradients", finish),
+            wait_quorum=self._quorum_ready,
         )
+        self._quorums = _QuorumRecorder(self.manager._client)
+        self.manager._client = self._quorums
+        self._sync_quorum = True  # the next quorum: synchronous (see run_step)
+        self._step_heals = 0  # heals before this step's quorum
+        self._quorum_checked = False  # this step's quorum awaited and checked
+        self._heal_in_quorum = False  # this step's quorum held a replica behind the others
+        self._timings: dict[str, float] = {}
         group_store = None
         if config.group_world_size > 1:
             group_store = TCPStore(
@@ -243,15 +273,38 @@ class Replica:
         """The timeout the collectives run under now (it moves with collective_timeout_steps)."""
         self._closed = False
 
-    def _check_process_group(self) -> None:
+    def _quorum_ready(self) -> None:
+        """Wait for this step's quorum (once a step, before its first collective) and check it:
+        a process group built for other members is discarded (``StaleProcessGroup``), the
+        weights are compared when the membership changed (``SplitBrainError``), and a quorum
+        holding a replica behind the others marks the step to be discarded by every replica."""
+        if self._quorum_checked:
+            return
+        self._quorum_checked = True
+        t0 = time.perf_counter()
+        try:
+            self.manager.wait_quorum()
+        except Exception as error:
+            self._raise_if_lighthouse_lost(error)
+            raise
+        self._timings["quorum"] += time.perf_counter() - t0
+        if self.manager.errored() is not None:  # the quorum failed: the vote discards the step
+            return
+        quorum = self._quorums.last
+        self._check_process_group(quorum.replica_world_size)
+        self._heal_in_quorum = quorum.max_world_size < quorum.replica_world_size
+        t1 = time.perf_counter()
+        healed = self.heals != self._step_heals or not self.manager.is_participating()
+        self.split_brain.run(healed, self.recovery.guard, defer=self._heal_in_quorum)
+        self._timings["fingerprint"] = time.perf_counter() - t1  # ~0 unless compared
+
+    def _check_process_group(self, members: int) -> None:
         """torchft rebuilds its process group when the quorum's number changes, and a restarted
         Lighthouse numbers its quorums from 1 again: a quorum of other members can come under
         the number the group was built for, whose collectives would then wait for a replica
         not in the step (or leave one out of the average). Such a step is discarded before it
         starts (``StaleProcessGroup``); a later quorum of a new number rebuilds the group."""
-        if self.manager.errored() is not None:  # the quorum failed: the vote discards the step
-            return
-        built, members = self.pg.size(), self.manager.num_participants()
+        built = self.pg.size()
         if built != members:
             raise StaleProcessGroup(
                 f"the quorum has {members} replica(s), the process group was built for {built} "
@@ -299,6 +352,7 @@ class Replica:
         if step < 0:
             raise ValueError(f"Replica.set_step: step must be >= 0, got {step}")
         self.manager.load_state_dict({"step": step, "batches_committed": step})
+        self._sync_quorum = True  # a heal may be due: the next quorum lands it before the forward
 
     def _payload(self, output: Any, average: bool) -> torch.Tensor | None:
         """What the vote sums besides its flags: the output to average, then the counters."""
@@ -322,12 +376,25 @@ class Replica:
             return output
         if average:
             n = output.numel()
-            mean = summed[:n] / self.manager.num_participants()
+            mean = summed[:n] / self.reducer.contributors
             output = mean.view(output.shape).to(dtype=torch.float32, device=output.device)
             summed = summed[n:]
         if self._counters:
             unpack_counts(self._counters, summed)
         return output
+
+    def _settle_quorum(self) -> None:
+        """A step that failed before its first collective: its quorum is still awaited (a lost
+        Lighthouse named as such) and the weights check told it was skipped here."""
+        if self._quorum_checked:
+            return
+        self._quorum_checked = True
+        try:
+            self.manager.wait_quorum()
+        except Exception as error:
+            self._raise_if_lighthouse_lost(error)
+            raise
+        self.split_brain.skip()
 
     def run_step(
         self,
@@ -345,25 +412,33 @@ class Replica:
         if self._closed:
             raise RuntimeError("Replica.run_step after close()")
         t0 = time.perf_counter()
-        timings: dict[str, float] = {}
+        timings = self._timings = {"quorum": 0.0}
         self.recovery.begin_step()
-        heals = self.heals
+        self._step_heals = self.heals
+        self._quorum_checked = self._heal_in_quorum = False
+        self._quorums.last = None
+        # Asynchronous once this replica committed its last step: no heal is due to it, and the
+        # quorum is computed while the forward runs (the first bucket waits for it). On its
+        # first step, after set_step and after a step it did not commit, a heal may be due: the
+        # quorum is synchronous and the heal lands before the forward. torchft reads the mode
+        # per quorum.
+        asynchronous = not self._sync_quorum
+        self.manager._use_async_quorum = asynchronous
+        self.state.hold_parts(asynchronous)  # a heal served during the step sends its start
         try:
             self.manager.start_quorum()
         except Exception as error:
             self._raise_if_lighthouse_lost(error)
             raise
+        timings["quorum"] = time.perf_counter() - t0  # (+ the wait the forward did not hide)
         self.optimizer.zero_grad(set_to_none=True)
         self.reducer.begin_step()
-        timings["quorum"] = time.perf_counter() - t0
         output = None
         step_timeout = self.config.step_timeout
         try:
             try:
-                self._check_process_group()
-                t1 = time.perf_counter()
-                self.split_brain.run(self.heals != heals, self.recovery.guard)
-                timings["fingerprint"] = time.perf_counter() - t1  # ~0 unless compared
+                if not asynchronous:
+                    self._quorum_ready()
                 if step_timeout is None:  # no step timer: only the collectives are watched
                     output = fn()
                 else:
@@ -372,7 +447,6 @@ class Replica:
             finally:
                 self.reducer.end_step()
             t2 = time.perf_counter()
-            timings["quorum"] += self.reducer.quorum_wait_s
             timings["allreduce"] = self.reducer.finish_s  # the waits left after the backward
             # One all-reduce: the veto, the stop, the loss to average and the MoE counters. A
             # peer that dies between the gradient all-reduce and the vote is caught here too.
@@ -384,10 +458,12 @@ class Replica:
         except Exception as error:
             if not self.recovery.is_recoverable(error):
                 raise
+            self._settle_quorum()
             self.recovery.recover(error)
             self.manager.report_error(error)
             committed = self.manager.should_commit()
             assert not committed, "a recovered step must not commit"
+            self._sync_quorum = True
             return StepResult(
                 committed=False,
                 step=self.manager.current_step(),
@@ -395,10 +471,18 @@ class Replica:
                 seconds=time.perf_counter() - t0,
                 timings=timings,
             )
+        if self._heal_in_quorum:
+            # The replicas at the highest step trained it (under the asynchronous quorum)
+            # while another was still healing: every replica discards it alike (they all hold
+            # the same quorum) and the next step is joint.
+            self.manager.report_error(
+                HealingStep("a replica healed in this step's quorum: every replica discards it")
+            )
         participants = self.reducer.contributors
         t3 = time.perf_counter()
         committed = self.manager.should_commit()
         timings["commit"] = time.perf_counter() - t3
+        self._sync_quorum = not committed
         if committed:
             self.recovery.apply_update(lambda: self._update(before_update))
             self._step_seconds.append(time.perf_counter() - t0)
@@ -414,6 +498,7 @@ class Replica:
             vetoed=vote.vetoed,
             participants=participants,
             stop=vote.stop,
+            healing=self._heal_in_quorum,
             seconds=time.perf_counter() - t0,
             output=output,
             timings=timings,

@@ -218,6 +218,7 @@ class ReplicaState:
         reserved = {"model", "optimizer", "lr_scheduler"} & self.extras.keys()
         if reserved:
             raise ValueError(f"ReplicaState: extras may not be named {sorted(reserved)}")
+        self._held: dict[str, Any] | None = None
 
     def _parts(self) -> dict[str, Stateful]:
         parts: dict[str, Stateful] = dict(self.extras)
@@ -225,12 +226,26 @@ class ReplicaState:
             parts["lr_scheduler"] = self.lr_scheduler
         return parts
 
+    def hold_parts(self, hold: bool) -> None:
+        """With ``hold``, copy the LR scheduler and the extras now (a step's start) and serve that
+        copy instead of their live state until the next call: a snapshot taken while the step runs
+        (torchft's asynchronous quorum serves a heal during the forward) must not catch a
+        trainer's counters halfway through it. The model and optimizer do not change before the
+        commit and are copied when served."""
+        self._held = (
+            {name: snapshot_tree(part.state_dict()) for name, part in self._parts().items()}
+            if hold
+            else None
+        )
+
     def snapshot(self) -> dict[str, Any]:
         """A CPU copy of everything, safe to serve while training continues."""
         snap: dict[str, Any] = {
             "model": snapshot_tree(self.model.state_dict()),
             "optimizer": snapshot_tree(self.optimizer.state_dict()),
         }
+        if self._held is not None:
+            return {**snap, **self._held}
         for name, part in self._parts().items():
             snap[name] = snapshot_tree(part.state_dict())
         return snap
@@ -294,6 +309,7 @@ class ReplicaState:
     def restore(self, snap: Any) -> None:
         """Validate all of ``snap``, then write it into the live state (no change on error)."""
         self.check(snap)
+        self._held = None  # the live state is the one to serve from now on
         with torch.no_grad():
             _copy_into(self.model.state_dict(), snap["model"])
         live = self.optimizer.state_dict()
