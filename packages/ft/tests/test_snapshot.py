@@ -195,3 +195,26 @@ def test_an_extra_history_of_another_length_heals_but_tensors_must_fit(make_mode
     assert live.seen == [[step, float(step)] for step in range(7)]  # the peer's, whole
     with pytest.raises(RestoreError, match=r"train_state\.buffers: expected a sequence of 1"):
         state(History(3)).restore(state(History(3, buffers=2)).snapshot())
+
+
+def test_held_parts_are_served_as_they_were_when_the_step_began(make_model: Any) -> None:
+    """A heal served while a step runs sends the extras and the LR scheduler of the step's start
+    (a counter the forward moves halfway is not sent), the model as it is; a restore, or the next
+    step's call without hold, serves the live state again."""
+    state = trained(make_model, seed=0, steps=2)
+    assert state.lr_scheduler is not None
+    state.hold_parts(True)
+    at_start = state.lr_scheduler.state_dict()["last_epoch"]
+    state.extras["position"].value = 99  # moved during the step
+    state.lr_scheduler.step()
+    with torch.no_grad():
+        next(state.model.parameters()).add_(1.0)
+    snap = state.snapshot()
+    assert snap["position"] == {"value": 2}
+    assert snap["lr_scheduler"]["last_epoch"] == at_start
+    assert torch.equal(snap["model"]["0.weight"], next(state.model.parameters()).detach())
+    state.hold_parts(False)
+    assert state.snapshot()["position"] == {"value": 99}
+    state.hold_parts(True)
+    state.restore(trained(make_model, seed=1, steps=3).snapshot())
+    assert state.snapshot()["position"] == {"value": 3}  # the restored state, not the held one
