@@ -26,8 +26,10 @@ def expert_counters(model: torch.nn.Module, attr: str = "tokens_per_expert") -> 
 
 
 def pack_counts(counters: list[torch.Tensor]) -> torch.Tensor:
-    """The counters flattened into one float64 tensor (integer counts stay exact up to 2**53)."""
-    return torch.cat([c.detach().reshape(-1).to(torch.float64) for c in counters])
+    """The counters flattened into one float32 tensor. HCCL's all-reduce takes no float64 on
+    Atlas A2/A3; float32 sums are exact up to 2**24 tokens per expert (a step's counts, summed
+    over the replicas) and, beyond, the same rounded sum on every replica, so biases stay equal."""
+    return torch.cat([c.detach().reshape(-1).to(torch.float32) for c in counters])
 
 
 def unpack_counts(counters: list[torch.Tensor], flat: torch.Tensor) -> None:

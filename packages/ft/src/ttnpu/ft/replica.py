@@ -363,7 +363,7 @@ class Replica:
                     f"run_step(average_output=True) needs fn to return a tensor, got "
                     f"{type(output).__name__}"
                 )
-            parts.append(output.detach().reshape(-1).to(torch.float64))
+            parts.append(output.detach().reshape(-1).to(torch.float32))
         if self._counters:
             parts.append(pack_counts(self._counters))
         return torch.cat([p.to(self.adapter.device) for p in parts]) if parts else None

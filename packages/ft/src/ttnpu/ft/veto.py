@@ -37,7 +37,7 @@ class Vote:
 
     vetoed: bool  # some replica raised a flag: nobody commits the step
     stop: bool  # some replica requested a stop: everybody stops after the step
-    payload: torch.Tensor | None = None  # the payload summed over the replicas (float64)
+    payload: torch.Tensor | None = None  # the payload summed over the replicas (float32)
 
 
 class CommitVeto:
@@ -74,11 +74,11 @@ class CommitVeto:
     def vote(self, payload: torch.Tensor | None = None) -> Vote:
         """SUM all-reduce of [flag, stop, *payload] (flags are 0 or 1: a sum above 0 is "any");
         on a veto, report ``CommitVetoed``. ``payload`` (any shape) comes back flattened in
-        ``Vote.payload``, summed in float64: integer counts stay exact up to 2**53."""
+        ``Vote.payload``, summed in float32 (the widest float HCCL reduces on Atlas A2/A3)."""
         with self._lock:
             reasons, self._reasons = self._reasons, []
         votes = torch.tensor(
-            [float(bool(reasons)), float(self._stop)], dtype=torch.float64, device=self._device
+            [float(bool(reasons)), float(self._stop)], dtype=torch.float32, device=self._device
         )
         if payload is not None:
             votes = torch.cat((votes, payload.detach().reshape(-1).to(votes)))
