@@ -241,6 +241,11 @@ class Replica:
             finish_guard=lambda finish: self.recovery.guard("allreduce_gradients", finish),
             wait_quorum=self._quorum_ready,
         )
+        if not hasattr(self.manager, "_use_async_quorum"):  # set per step: must not go silent
+            raise RuntimeError(
+                "torchft's Manager has no _use_async_quorum, through which ttnpu-ft chooses the "
+                "quorum mode per step (written for torchft 0.2): use the torchft of uv.lock"
+            )
         self._quorums = _QuorumRecorder(self.manager._client)
         self.manager._client = self._quorums
         self._sync_quorum = True  # the next quorum: synchronous (see run_step)
