@@ -74,12 +74,13 @@ def test_flex_math_equals_reference_on_cpu(
 
 
 @pytest.mark.usefixtures("eager_flex_on_cpu")
-@pytest.mark.parametrize("start", [0, 21])
-def test_flex_math_equals_reference_on_a_slice(start: int) -> None:
+@pytest.mark.parametrize(("start", "dim"), [(0, 16), (21, 16), (21, 128)])
+def test_flex_math_equals_reference_on_a_slice(start: int, dim: int) -> None:
     """A context-parallel slice (window halo, absolute positions), more picks than a power of
-    two, and a query that reads nothing but its window."""
+    two, and a query that reads nothing but its window; fp32 heads of 128 pass wide-head
+    ``kernel_options`` to flex."""
     torch.manual_seed(1)
-    length, window, heads, dim, ratio = 19, 5, 3, 16, 4
+    length, window, heads, ratio = 19, 5, 3, 4
     n = (start + length) // ratio
     shard = SequenceShard(((0, start), (start, start + length)), rank=1) if start else None
     leaves = [
@@ -116,6 +117,30 @@ def test_flex_math_equals_reference_on_a_slice(start: int) -> None:
     torch.testing.assert_close(loss, want_loss, rtol=TOLERANCE, atol=TOLERANCE)
     for got, want in zip(grads, want_grads, strict=True):
         assert (got - want).abs().max() / want.abs().max().clamp_min(1e-3) < TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype"),
+    [(256, torch.bfloat16), (128, torch.float32), (512, torch.bfloat16), (512, torch.float32)],
+)
+def test_wide_heads_get_forward_tiles_that_fit_shared_memory(
+    head_dim: int, dtype: torch.dtype
+) -> None:
+    """Rows wider than 256 bytes (Inductor's defaults asked 254,080 bytes of the 232,448 an H200
+    SM has for fp32 heads of 128): tiles that divide the block mask's 128-blocks, within the
+    shared-memory budget; the defaults stay where they fit."""
+    options = flex.kernel_options(head_dim, dtype)
+    assert options is not None
+    m, n, stages = options["BLOCK_M"], options["BLOCK_N"], options["num_stages"]
+    assert 128 % m == 0 and 128 % n == 0 and 1 <= stages <= 3
+    assert head_dim * dtype.itemsize * (m + 2 * stages * n) <= 160 * 1024
+    assert flex.kernel_options(128, torch.bfloat16) is None
+    assert flex.kernel_options(64, torch.float32) is None
+
+
+def test_heads_too_wide_for_one_stage_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"heads of 1024 x torch.float32 \(4096 bytes a row\)"):
+        flex.kernel_options(1024, torch.float32)
 
 
 def test_flex_refuses_a_cpu() -> None:

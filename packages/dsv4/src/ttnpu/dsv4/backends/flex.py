@@ -25,6 +25,11 @@ its cost is that of dense compressed attention (the chunked backend gathers the 
 with ``lse_total = logaddexp(lse, s_h)``, summed over heads, under no_grad (the target); the
 index scores at the entries read carry the gradient. Each chunk is recomputed in the backward.
 
+**Wide heads.** Inductor's default forward tiles are tuned for rows of up to 256 bytes (bf16 heads
+of 128); wider ones (Flash's 512-dim bf16 heads, fp32 heads of 128) need more shared memory than
+a Hopper SM has (H200, fp32 heads of 128: 254,080 bytes asked, 232,448 there) and fail to compile.
+For those, :func:`kernel_options` picks the forward tiles and pipeline depth to fit.
+
 On a CPU, torch 2.14's flex_attention has no backward (``_validate_device``) and runs unfused:
 the backend refuses every device but CUDA.
 """
@@ -47,11 +52,35 @@ from . import AttentionInputs
 from .indexer_loss import indexer_loss_from_lse
 from .selection import select_topk
 
-__all__ = ["flex_attention_backend", "flex_attention_core"]
+__all__ = ["flex_attention_backend", "flex_attention_core", "kernel_options"]
 
 FlexFn = Callable[..., Any]
 BlockMaskFn = Callable[..., BlockMask]
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_TUNED_ROW_BYTES = 256  # Inductor's default forward tiles fit up to here (bf16 x 128)
+_SHARED_MEMORY_BUDGET = 160 * 1024  # of a Hopper SM's 227 KiB: the kernel's other buffers
+# (BLOCK_M, BLOCK_N), largest first; each divides the block mask's 128 x 128 blocks.
+_WIDE_BLOCKS = ((64, 32), (32, 32), (32, 16), (16, 16))
+
+
+def kernel_options(head_dim: int, dtype: torch.dtype) -> dict[str, int] | None:
+    """Forward tiles for heads whose rows are wider than Inductor's defaults are tuned for, or
+    None (the defaults). The estimate is a Q tile plus ``num_stages`` K and V tiles in flight,
+    ``row * (BLOCK_M + 2 * num_stages * BLOCK_N)`` bytes, kept under a budget that leaves room
+    for the rest (this estimate of the failing default is ~45 KiB under what it asked for). The
+    largest tiles that fit a stage win, with up to 3 stages."""
+    row = head_dim * dtype.itemsize
+    if row <= _TUNED_ROW_BYTES:
+        return None
+    for block_m, block_n in _WIDE_BLOCKS:
+        stages = (_SHARED_MEMORY_BUDGET // row - block_m) // (2 * block_n)
+        if stages >= 1:
+            return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_stages": min(stages, 3)}
+    raise ValueError(
+        f"attention_backend='flex': heads of {head_dim} x {dtype} ({row} bytes a row) do not "
+        "fit one pipeline stage in shared memory; use the chunked backend"
+    )
 
 
 def flex_attention_backend(inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,6 +131,7 @@ def flex_attention_core(
         scale=inputs.scale,
         enable_gqa=True,
         return_aux=AuxRequest(lse=True),
+        kernel_options=kernel_options(q.shape[-1], q.dtype),
     )
     lse = aux.lse.float().transpose(1, 2)  # [B, L, H]
     sink = inputs.sink.float()
