@@ -111,10 +111,39 @@ def test_random_flips_at_least_the_chunk_maximum_are_all_caught() -> None:
 
 def test_only_sum_is_verified() -> None:
     def body(group: dist.ProcessGroup, rank: int) -> None:
-        with pytest.raises(ValueError, match="SUM"):
+        with pytest.raises(ValueError, match=r"verifies SUM reductions here, got .*MAX"):
             CollectiveChecker(group).all_reduce(torch.ones(3), op=dist.ReduceOp.MAX)
+        with pytest.raises(ValueError, match=r"verifies SUM and AVG reductions here"):
+            CollectiveChecker(group).reduce_scatter_tensor(
+                torch.empty(3), torch.ones(3), op=dist.ReduceOp.MAX
+            )
 
     run_ranks(1, body)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_averaging_reduce_scatter_is_verified(dtype: torch.dtype) -> None:
+    """AVG (FSDP2's op for fp32 and bf16 gradients): the clean average verifies and equals the
+    plain one; a flipped exponent bit in rank 1's shard is a confirmed event there only."""
+
+    def body(group: dist.ProcessGroup, rank: int) -> tuple[bool, bool, int, bool]:
+        flag = VetoFlag()
+
+        def fault(op: str, result: torch.Tensor) -> None:
+            if rank == 1 and checker.calls == 2:
+                flip_bit(result, 77, 14 if dtype == torch.bfloat16 else 30)
+
+        checker = CollectiveChecker(group, reporter=Reporter([flag], rank=rank), fault=fault)
+        g = torch.Generator().manual_seed(rank)
+        x = (torch.randn(6000, generator=g) * 10 ** (rank - 1)).to(dtype)
+        out, plain = torch.empty(3000, dtype=dtype), torch.empty(3000, dtype=dtype)
+        clean = checker.reduce_scatter_tensor(out, x, op=dist.ReduceOp.AVG)
+        dist.reduce_scatter_single(plain, x, op=dist.ReduceOp.AVG, group=group)
+        flipped = checker.reduce_scatter_tensor(torch.empty_like(out), x, op=dist.ReduceOp.AVG)
+        events = flag.take()
+        return clean, flipped, len(events), torch.equal(out, plain)
+
+    assert run_ranks(2, body) == [(True, True, 0, True), (True, False, 1, True)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -148,7 +148,9 @@ class SilentDataCorruption:
     """Detection (ttnpu-sdc) and its action: a detection vetoes the step on every replica and the
     step is re-run with checksums on; corrupted again means a persistent fault, and the replica
     exits with :data:`EXIT_PERSISTENT_SDC`. With fault tolerance on, the cross-replica gradient
-    all-reduce is verified too (chunk checksums reduced alongside it)."""
+    all-reduce is verified too (chunk checksums reduced alongside it); with FSDP2, the gradient
+    reduce-scatter inside the replica group on the steps whose matmuls every rank checks
+    (always, sampled, re-runs)."""
 
     enable: bool = True
     """Watch this replica's computation."""
@@ -171,11 +173,12 @@ class SilentDataCorruption:
     """Normal steps a gradient's statistics need before it can be judged."""
 
     inject_step: int = 0
-    """Flip a bit at this step (0: never): of one forward matmul output, or of the gradients as
-    they arrive from the cross-replica all-reduce (``inject_kind``)."""
+    """Flip a bit at this step (0: never), where ``inject_kind`` says."""
 
-    inject_kind: Literal["matmul", "allreduce"] = "matmul"
-    """Where the injected bit flip lands."""
+    inject_kind: Literal["matmul", "allreduce", "reduce_scatter"] = "matmul"
+    """Where the injected bit flip lands: one forward matmul output, the gradients from the
+    cross-replica all-reduce, or those from the first FSDP2 reduce-scatter (every rank of the
+    replica group)."""
 
     inject_replica: int = 0
     """The replica id that gets the fault."""

@@ -6,10 +6,15 @@ and on every re-run: the escalation policy of torch_npu's own detection, cheap e
 
 Every detection is written to ``sdc_events.jsonl`` in the run folder and vetoes the step on every
 replica, so nothing corrupted is committed anywhere: a matmul whose checksum is wrong, a gradient
-whose statistics jump, a non-finite loss, a cross-replica gradient all-reduce whose checksums do
-not match. The step is then re-run on the same batches with the checksums on: a clean re-run
-commits (the fault was transient); a re-run corrupted again proves a persistent fault, and this
-replica leaves the job (:data:`~ttnpu.trainer.features.EXIT_PERSISTENT_SDC`).
+whose statistics jump, a non-finite loss, a cross-replica gradient all-reduce or an FSDP2 gradient
+reduce-scatter whose checksums do not match. The step is then re-run on the same batches with the
+checksums on: a clean re-run commits (the fault was transient); a re-run corrupted again proves a
+persistent fault, and this replica leaves the job
+(:data:`~ttnpu.trainer.features.EXIT_PERSISTENT_SDC`).
+
+The reduce-scatter inside a replica group adds a collective when checked, so it is checked on the
+steps every rank agrees on without a word: with ``checksums = "always"``, on the sampled steps and
+on every re-run (an escalation ends by each rank's clock, so it does not count).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from ttnpu.sdc import (
     BitFlip,
+    CheckedReduceScatter,
     ChecksumMode,
     ChecksumSwitch,
     EventLog,
@@ -34,6 +40,7 @@ from ttnpu.sdc import (
     SDCConfig,
     SDCEvent,
     VetoFlag,
+    check_fsdp_reduce_scatter,
     flip_bit,
 )
 
@@ -79,6 +86,20 @@ class SDCGuard:
         self.injected = 0
         self._step, self._attempt = 0, 0
         self._reduction_hit = (0, 0)  # the attempt whose all-reduce was corrupted
+        self._scatter_hit = (0, 0)  # the attempt whose reduce-scatter was corrupted
+        self._scatter_checked = False
+        self.reduce_scatter = CheckedReduceScatter(
+            checking=lambda: self._scatter_checked,
+            reporter=self.reporter,
+            fault=self._corrupt_reduce_scatter,
+        )
+        self.sharded_modules = check_fsdp_reduce_scatter(model, self.reduce_scatter)
+        sharded = self.sharded_modules
+        if config.inject_kind == "reduce_scatter" and config.inject_step and not sharded:
+            raise ValueError(
+                "sdc.inject_kind reduce_scatter needs FSDP2 sharding "
+                "(parallelism.data_parallel_shard_degree > 1): this model reduce-scatters nothing"
+            )
 
     def veto_through(self, raise_flag: Callable[[str], None]) -> None:
         """Every detection from now on also asks ``raise_flag`` (the stepper's cross-replica
@@ -113,6 +134,12 @@ class SDCGuard:
             flip_bit(result, 0, self.config.inject_bit)
             self.injected += 1
 
+    def _corrupt_reduce_scatter(self, name: str, result: torch.Tensor) -> None:
+        if self._due("reduce_scatter") and self._scatter_hit != (self._step, self._attempt):
+            self._scatter_hit = (self._step, self._attempt)
+            flip_bit(result, 0, self.config.inject_bit)
+            self.injected += 1
+
     def _checking(self, step: int, attempt: int) -> bool:
         """Every re-run; else while on, escalated or on a sampled step (``switch``)."""
         on = self.switch.begin_step(step)
@@ -129,6 +156,12 @@ class SDCGuard:
         checks see it) and the matmul checksums when they are on."""
         self.reporter.step = step
         self._step, self._attempt = step, attempt
+        checks = self.config.checksums
+        self._scatter_checked = (
+            attempt > 1
+            or checks == "always"
+            or (checks == "escalate" and self.switch.step_sampled(step))
+        )
         with ExitStack() as stack:
             plan = self._fault()
             if plan is not None:
@@ -158,7 +191,7 @@ class SDCGuard:
 
     @staticmethod
     def corrupted(events: list[SDCEvent]) -> bool:
-        """Whether ``events`` prove a corruption (a confirmed matmul or all-reduce checksum
+        """Whether ``events`` prove a corruption (a confirmed matmul or collective checksum
         mismatch), as opposed to a statistical anomaly."""
         return any(e.kind in ("matmul", "collective") and e.confirmed for e in events)
 

@@ -48,22 +48,26 @@ if TYPE_CHECKING:
         install_checksum_pass,
         uninstall_checksum_pass,
     )
+    from .fsdp import CheckedReduceScatter, check_fsdp_reduce_scatter
 
 __version__ = version("ttnpu-sdc")
 
-_COMPILED = {
-    "ChecksumGraphPass",
-    "checksum_compile_options",
-    "compiled_stats",
-    "install_checksum_pass",
-    "uninstall_checksum_pass",
+_LAZY = {
+    "ChecksumGraphPass": ".compiled",
+    "checksum_compile_options": ".compiled",
+    "compiled_stats": ".compiled",
+    "install_checksum_pass": ".compiled",
+    "uninstall_checksum_pass": ".compiled",
+    "CheckedReduceScatter": ".fsdp",
+    "check_fsdp_reduce_scatter": ".fsdp",
 }
 
 
 def __getattr__(name: str) -> Any:
-    """The compiled-mode names import torch._inductor (seconds): only when first used."""
-    if name in _COMPILED:
-        return getattr(import_module(".compiled", __name__), name)
+    """The compiled-mode names import torch._inductor (seconds), the FSDP2 ones
+    torch.distributed.fsdp (half a second): only when first used."""
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -74,6 +78,7 @@ __all__ = [
     "BitFlip",
     "CheckResult",
     "CheckStats",
+    "CheckedReduceScatter",
     "ChecksumGraphPass",
     "ChecksumMode",
     "ChecksumSwitch",
@@ -93,6 +98,7 @@ __all__ = [
     "VetoFlag",
     "__version__",
     "arm_compiled_fault",
+    "check_fsdp_reduce_scatter",
     "check_grouped_mm",
     "check_matmul",
     "checksum_compile_options",

@@ -153,7 +153,8 @@ class ReductionChecksums:
 
 
 class CollectiveChecker:
-    """Run collectives on ``group`` and verify their results (SUM only; returns True when clean).
+    """Run collectives on ``group`` and verify their results (SUM; AVG for the reduce-scatter;
+    each returns True when clean).
 
     ``fault``, when set, is applied to the local result between the collective and its
     verification (drills and tests inject bit flips there). A failed verification is reported as
@@ -179,7 +180,8 @@ class CollectiveChecker:
         return dist.get_rank(), dist.get_world_size()
 
     def _verify(self, name: str, result: Tensor, expected: Tensor, length: int, world: int) -> bool:
-        """Compare the result's chunk sums with the reduced checksums ``expected`` (2, chunks)."""
+        """Compare the result's chunk sums with the reduced checksums ``expected`` (2, chunks);
+        ``world`` is the number of roundings the bound allows (the ranks, one more for AVG)."""
         ok = _verify_chunks(
             f"{name}#{self.calls}", result, expected, length, world,
             self.reporter or default_reporter(), self._world()[0],
@@ -187,9 +189,13 @@ class CollectiveChecker:
         self.failures += not ok
         return ok
 
-    def _check_op(self, op: dist.ReduceOp.RedOpType) -> None:
-        if op != dist.ReduceOp.SUM:
-            raise ValueError(f"CollectiveChecker verifies SUM reductions only, got {op}")
+    def _check_op(
+        self, op: dist.ReduceOp | dist.ReduceOp.RedOpType, *ops: dist.ReduceOp.RedOpType
+    ) -> None:
+        allowed = (dist.ReduceOp.SUM, *ops)
+        if op not in allowed:
+            names = " and ".join(str(o).rsplit(".", 1)[-1] for o in allowed)
+            raise ValueError(f"CollectiveChecker verifies {names} reductions here, got {op}")
 
     def all_reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> bool:
         """In-place all-reduce of ``tensor``, verified."""
@@ -205,10 +211,15 @@ class CollectiveChecker:
         return self._verify("all_reduce", tensor, sums, length, world)
 
     def reduce_scatter_tensor(
-        self, output: Tensor, input: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+        self,
+        output: Tensor,
+        input: Tensor,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     ) -> bool:
-        """``output`` = this rank's segment of the sum of every rank's ``input``, verified."""
-        self._check_op(op)
+        """``output`` = this rank's segment of the sum (or average) of every rank's ``input``,
+        verified. An average divides the summed checksums alike; its rounding is one more term of
+        the bound."""
+        self._check_op(op, dist.ReduceOp.AVG)
         self.calls += 1
         rank, world = self._world()
         if input.numel() != world * output.numel():
@@ -216,14 +227,16 @@ class CollectiveChecker:
                 f"reduce_scatter_tensor: input has {input.numel()} elements, expected "
                 f"world_size ({world}) x output ({output.numel()})"
             )
-        length = chunk_length(input.dtype, world)
+        roundings = world + (op == dist.ReduceOp.AVG)
+        length = chunk_length(input.dtype, roundings)
         segments = input.reshape(world, -1)
         sums = torch.stack([_chunk_sums(s, length) for s in segments], 1).contiguous()
         dist.all_reduce(sums, group=self.group)
-        dist.reduce_scatter_single(output, input, group=self.group)
+        dist.reduce_scatter_single(output, input, group=self.group, op=op)
         if self.fault is not None:
             self.fault("reduce_scatter_tensor", output)
-        return self._verify("reduce_scatter_tensor", output, sums[:, rank], length, world)
+        expected = sums[:, rank] if roundings == world else sums[:, rank] / world
+        return self._verify("reduce_scatter_tensor", output, expected, length, roundings)
 
     def all_gather_into_tensor(self, output: Tensor, input: Tensor) -> bool:
         """``output`` = every rank's ``input`` concatenated, verified segment by segment."""
