@@ -1,9 +1,10 @@
 """A loss spike under FSDP2 inside the replica groups: rollback and anticipatory routing.
 
 The same four data shards train twice with a planned spike: as two torchft replica groups of two
-FSDP2 ranks each (torchrun jobs; the capture forward is cut after the last router on every rank)
-and as four replica groups of one rank. Both roll back to the same checkpoint, replay routes
-through WARMUP, ACTIVE and DRAIN, and commit the same losses step by step.
+FSDP2 ranks each (torchrun jobs; the capture forward is cut after the last router on every rank;
+their checkpoints shared, one writer per step) and as four replica groups of one rank (a full
+checkpoint each). Both roll back to the same checkpoint, replay routes through WARMUP, ACTIVE and
+DRAIN, and commit the same losses step by step.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def test_a_spike_rolls_fsdp_replica_groups_back_like_one_rank_groups(tmp_path: P
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
              "--master-port", str(_free_port()), *_cli(tmp_path, f"fsdp_{i}"),
              "--parallelism.data_parallel_shard_degree", "2",
+             "--fault_tolerance.checkpoint_folder", "../shared",
              *replica_args(i, 2, 2, lighthouse.address, tmp_path / "start")]
             for i in range(2)
         ]  # fmt: skip
@@ -83,6 +85,13 @@ def test_a_spike_rolls_fsdp_replica_groups_back_like_one_rank_groups(tmp_path: P
         ]
         codes = [job.wait(timeout=400) for job in jobs]
     assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+
+    # the FSDP groups shared their checkpoints: one copy of each step, their data positions
+    # beside it; the rollback discarded what was written at or after the onset
+    shared = tmp_path / "shared"
+    assert {p.name for p in shared.iterdir()} >= {"ft-replica-0", "ft-replica-1", "step-4"}
+    assert not list(shared.glob("step-6")) and not list(shared.glob("writing-*"))
+    assert not list(tmp_path.glob("fsdp_*/checkpoint/step-*"))
 
     # group i of two ranks reads data shards 2i and 2i + 1, replicas 2i and 2i + 1 of the other
     # run; every group logs the loss averaged over all four shards

@@ -260,3 +260,66 @@ def test_the_rollback_target_is_the_newest_verified_checkpoint_before_the_onset(
         guard.plan(tmp_path, onset=7)
     # the checkpoints at or after the onset go; the unverified ones before it stay
     assert SpikeGuard.discard_from(tmp_path, plan.onset) == [tmp_path / "step-8"]
+
+
+def _sharing(shared: Path, model: torch.nn.Module, replica: int, writes: bool, **fields: Any):
+    """A manager of replica group ``replica`` in the shared layout, its data position a counter."""
+    manager = _manager(shared / "unused", model, **fields)
+    position = _Counter()
+    manager.states["dataloader"] = position
+    manager.share(shared, replica, lambda: writes)
+    return manager, position
+
+
+def test_shared_checkpoints_have_one_writer_and_every_group_keeps_its_data_position(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, one_rank: None
+) -> None:
+    """torchtitan's fault-tolerant layout: the writer's full checkpoint appears whole under its
+    step name, each group's data position beside it; a second writer of the same step (a split
+    brain) keeps nothing of its own; a load takes the shared state and this group's position."""
+    model = torch.nn.Linear(4, 4)
+    writer, writer_at = _sharing(tmp_path, model, 0, writes=True)
+    other, other_at = _sharing(tmp_path, model, 1, writes=False)
+    writer_at.n.fill_(10.0)
+    other_at.n.fill_(11.0)
+    assert writer.save(1) and other.save(1)  # the other reports the writer's checkpoint
+    saved = model.weight.clone()
+    verify_checkpoint(tmp_path / "step-1")
+    for replica in (0, 1):
+        verify_checkpoint(tmp_path / f"ft-replica-{replica}" / "step-1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ft-replica-0", "ft-replica-1", "step-1"]  # fmt: skip
+    manifest = (tmp_path / "step-1" / CHECKSUMS).read_text()
+
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    rival, _ = _sharing(tmp_path, model, 2, writes=True)  # a group cut off from the others
+    with caplog.at_level(logging.ERROR):
+        assert rival.save(1)
+    assert (tmp_path / "step-1" / CHECKSUMS).read_text() == manifest  # the first copy stayed
+    assert not list(tmp_path.glob("writing-*"))
+    assert "this group's copy of step 1 is discarded" in caplog.text
+
+    other_at.n.fill_(0.0)
+    assert other.load()
+    assert torch.equal(model.weight, saved) and float(other_at.n) == 11.0
+    assert other.data_position_missing is None
+    for path in (tmp_path / "ft-replica-1" / "step-1").iterdir():
+        path.unlink()
+    other_at.n.fill_(0.0)
+    assert other.load(step=1)
+    assert other.data_position_missing == 1 and float(other_at.n) == 0.0
+    for manager in (writer, other, rival):
+        manager.close()
+
+
+def test_an_asynchronous_shared_save_takes_its_step_name_once_sealed(
+    tmp_path: Path, one_rank: None
+) -> None:
+    model = torch.nn.Linear(4, 4)
+    writer, _ = _sharing(tmp_path, model, 0, writes=True, async_mode="async")
+    assert writer.save(1)
+    assert not (tmp_path / "step-1").exists()  # in flight, under its writing name
+    writer.close()  # waits and seals
+    verify_checkpoint(tmp_path / "step-1")
+    assert not list(tmp_path.glob("writing-*"))

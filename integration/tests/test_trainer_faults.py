@@ -9,6 +9,7 @@ the weights are corrupted to make the loss spike. The tests read each replica's 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -156,6 +157,40 @@ def test_fsdp_and_expert_parallel_in_one_group_train_like_two_replica_groups(
     for a, b in zip(sharded, replicated, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
+
+
+def test_shared_checkpoints_are_written_once_and_a_resume_restores_each_groups_data(
+    tmp_path: Path, clean_run: Path
+) -> None:
+    """``--fault_tolerance.checkpoint_folder ../checkpoint``: the groups share one folder, each
+    step's model and optimizer written once, each group's data position beside it. Resumed from
+    step 3, both groups end at step 5 with the weights of the clean per-group run, bit for bit:
+    each went on with its own data shard (a group given the other's would train on other
+    batches)."""
+    run = tmp_path / "shared"
+    shared = [*TWO_REPLICAS, "--checkpoint.interval", "3",
+              "--fault_tolerance.checkpoint_folder", "../checkpoint"]  # fmt: skip
+    done = train(run, *shared)
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = run / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "ft-replica-0", "ft-replica-1", "step-3", "step-5"]  # fmt: skip
+    for i in range(2):
+        assert sorted(p.name for p in (folder / f"ft-replica-{i}").iterdir()) == [
+            "step-3", "step-5"]  # fmt: skip
+        assert not list((run / f"replica_{i}").glob("checkpoint/step-*"))
+    clean = model_weights(clean_run / "replica_0" / "checkpoint" / "step-5", tmp_path)
+    assert_same_weights(model_weights(folder / "step-5", tmp_path), clean)
+
+    for path in (folder / "step-5", *folder.glob("ft-replica-*/step-5")):
+        shutil.rmtree(path)  # step 3 is now the newest: resume there
+    resumed = train(run, "--resume", str(run))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for i in range(2):
+        [_, start] = events(run / f"replica_{i}", "start")
+        assert start["step"] == 3
+        assert not events(run / f"replica_{i}", "data_catch_up")  # its own position loaded
+    assert_same_weights(model_weights(folder / "step-5", tmp_path), clean)
 
 
 def test_a_persistent_sdc_takes_the_replica_out_and_the_other_goes_on(tmp_path: Path) -> None:

@@ -374,7 +374,9 @@ def _run(argv: Sequence[str], signals: StopSignals) -> int:
 
         # CheckpointError (no checkpoint verifies, or the named one does not) before anything is
         # built or changed; the checkpointer's load walks again, with every rank agreeing.
-        checkpoints = resume / config.checkpoint.folder
+        checkpoints = config.fault_tolerance.shared_checkpoints(resume) or (
+            resume / config.checkpoint.folder
+        )
         allow = getattr(config.checkpoint, "allow_unverified", False)
         if config.checkpoint.load_step >= 0:
             step = checkpoints / f"step-{config.checkpoint.load_step}"

@@ -9,6 +9,7 @@ step, for the e2e tests and the fault drills; they are off by default.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Literal
 
 import tyro
@@ -97,6 +98,18 @@ class FaultTolerance:
     start_barrier: str = ""
     """A folder where replica groups started together wait for each other before their first
     quorum (``--replicas N`` sets it); empty: no waiting (a replica that joins a running job)."""
+
+    checkpoint_folder: str = ""
+    """Checkpoints shared by the replica groups (torchtitan's fault-tolerant layout): a folder
+    every group reaches, relative to the run folder like ``--checkpoint.folder`` (``../checkpoint``
+    under ``--replicas N``, whose groups' run folders sit side by side). One group writes each
+    full checkpoint (the quorum's participating rank 0), every group its data position into
+    ``ft-replica-<id>/`` there: one copy of the model and optimizer instead of one per group.
+    Empty: each group writes full checkpoints into its own run folder."""
+
+    def shared_checkpoints(self, run: Path) -> Path | None:
+        """The folder of :attr:`checkpoint_folder` for the run folder ``run``, or None."""
+        return (run / self.checkpoint_folder).resolve() if self.checkpoint_folder else None
 
     @property
     def replicas(self) -> int:

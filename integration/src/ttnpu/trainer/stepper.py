@@ -198,6 +198,15 @@ class ReplicaStepper:
     def heals(self) -> int:
         return self.replica.heals
 
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes the shared checkpoint of the step just committed: the
+        quorum's participating rank 0. Where no quorum holds (a stop after the Lighthouse was
+        lost) every group writes, and the checkpointer keeps the first copy."""
+        try:
+            return self.replica.manager.participating_rank() == 0
+        except Exception:  # torchft re-raises the failed quorum's error, whatever its type
+            return True
+
     def set_step(self, step: int) -> None:
         self.replica.set_step(step)
 

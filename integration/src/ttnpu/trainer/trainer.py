@@ -48,6 +48,7 @@ from ttnpu.routing import (
     TrainingStep,
 )
 
+from .checkpoint import ChecksummedCheckpointManager
 from .corpus import register_dataset
 from .features import (
     FaultTolerance,
@@ -187,6 +188,7 @@ class DSV4Trainer(Trainer):
 
     platform: Platform
     stepper: Stepper
+    checkpointer: ChecksummedCheckpointManager  # checked in __init__
     anticipation_from: int | None = None
     """The step the replicas rolled back to and started anticipatory routing from, until the
     routing is NORMAL again; part of the training state."""
@@ -222,6 +224,11 @@ class DSV4Trainer(Trainer):
         self.platform = activate(detect(config.device))
         _select_attention_backend(config, self.platform.device_type)
         super().__init__(config)
+        if not isinstance(self.checkpointer, ChecksummedCheckpointManager):
+            raise ValueError(
+                "DSV4Trainer checkpoints with ttnpu's manager (checkpoint = "
+                "ChecksummedCheckpointManager.Config(...)), not torchtitan's plain one"
+            )
         init_optimizer_state(self.optimizers)
         ft = config.fault_tolerance
         if ft.enable and ft.replicas > 1:
@@ -260,6 +267,13 @@ class DSV4Trainer(Trainer):
         )
         if self.sdc is not None:
             self.sdc.veto_through(self.stepper.raise_flag)
+        if (shared := ft.shared_checkpoints(run)) is not None:
+            if not isinstance(self.stepper, ReplicaStepper):
+                raise ValueError(
+                    "fault_tolerance.checkpoint_folder needs fault_tolerance.enable (it is where "
+                    "replica groups share their checkpoints)"
+                )
+            self.checkpointer.share(shared, ft.replica_id, self.stepper.writes_checkpoints)
         if ft.enable and ft.start_barrier:
             wait_at_start_barrier(
                 Path(ft.start_barrier), ft.replica_id, ft.replicas, ft.quorum_timeout_seconds
@@ -433,6 +447,7 @@ class DSV4Trainer(Trainer):
         any of them holds. A replica that holds none (it joined after the target was written,
         or its copies are corrupt) goes back to step 0 and the start of its data, and is healed
         there; if no replica held one, its next step raises ``NoRollbackTargetError``."""
+        self.checkpointer.maybe_wait_for_saving()  # one in flight would land after the discard
         folder = Path(self.checkpointer.folder)
         allow = getattr(self.config.checkpoint, "allow_unverified", False)
         spiked_at = self.step
@@ -446,11 +461,17 @@ class DSV4Trainer(Trainer):
             self._heal_for_rollback = (self.stepper.heals, str(missing))
         else:
             self.checkpointer.load(step=plan.target.step)
+            if self.checkpointer.data_position_missing is not None:
+                self.dataloader.load_state_dict(self._data_at_start)  # caught up below
             self.step_log.supersede_after(self.step)
         self.stepper.set_step(self.step)
         discarded = self.spikes.discard_from(folder, onset)
+        if (positions := self.checkpointer.data_folder) is not None:
+            discarded += self.spikes.discard_from(positions, onset)
         self.spikes.detector.reset()
         schedule = self.spikes.schedule(self.dataloader, self.step)
+        if self._heal_for_rollback is None and self.checkpointer.data_position_missing is not None:
+            self._catch_up_data(schedule, self.step)
         spike = f"loss spike (onset step {onset}, seen at step {spiked_at})"
         if self._heal_for_rollback is not None:  # the heal brings the others' routing phase
             logger.warning(f"{spike}: no rollback target here, healing from a replica that has one")
@@ -495,6 +516,15 @@ class DSV4Trainer(Trainer):
         brought ``anticipation_from``), so the replicas route alike and checkpoint at the same
         steps."""
         schedule.step = self.step
+        self._catch_up_data(schedule, steps)
+        if self.anticipation_from is None:
+            schedule.abandon_step()
+        else:
+            schedule.follow(self.anticipation_from)
+
+    def _catch_up_data(self, schedule: AnticipatorySchedule[Batch], steps: int) -> None:
+        """Move this replica's data shard ``steps`` optimizer steps ahead, ``microbatches``
+        batches a step (after a heal; after a load that had no data position of this group)."""
         batches = max(steps, 0) * self.gradient_accumulation_steps
         for skipped in range(batches):
             if next(schedule.data, None) is None:
@@ -503,10 +533,6 @@ class DSV4Trainer(Trainer):
                 )
         if batches:
             self.step_log.write(event="data_catch_up", step=self.step, batches=batches)
-        if self.anticipation_from is None:
-            schedule.abandon_step()
-        else:
-            schedule.follow(self.anticipation_from)
 
     def train_step(self, data_iterator: Iterator[Batch]) -> None:
         """torchtitan's step commits unconditionally; this trainer's step is :meth:`commit_step`
@@ -531,6 +557,8 @@ class DSV4Trainer(Trainer):
             pid=os.getpid(),
         )
         schedule = self.spikes.schedule(self.dataloader, self.step)
+        if self.checkpointer.data_position_missing is not None:
+            self._catch_up_data(schedule, self.step)
         with config.profiler.build(
             global_step=self.step, base_folder=config.dump_folder
         ) as profiler:
