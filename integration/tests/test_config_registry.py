@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from torchtitan.config import ConfigManager
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
@@ -49,6 +51,7 @@ def test_dsv4_flash_ft_is_one_replica_group_of_64_dies_fsdp_64_by_ep_64() -> Non
     assert config.parallelism.expert_parallel_degree == 64
     ft = config.fault_tolerance
     assert (ft.enable, ft.group_size, ft.replica_id, ft.min_replica_size) == (True, 2, 1, 1)
+    assert ft.shared_checkpoints(Path("/run/replica_1")) == Path("/run/checkpoint")  # one copy
     assert config.spike.enable and config.sdc.enable
     model = config.model_spec.model if config.model_spec else None
     assert isinstance(model, DeepSeekV4LM.Config) and model.dsv4().n_layers == 43

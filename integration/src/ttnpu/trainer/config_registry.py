@@ -121,12 +121,16 @@ def dsv4_flash() -> DSV4Trainer.Config:
 
 def dsv4_flash_ft() -> DSV4Trainer.Config:
     """``dsv4_flash`` as one of the two replica groups of the 128-die reference recipe: 64 dies,
-    FSDP 64 x EP 64, checkpointing every 100 steps, torchft with a Lighthouse from
-    ``TORCHFT_LIGHTHOUSE``; pass ``--fault_tolerance.replica_id``."""
+    FSDP 64 x EP 64, checkpointing every 100 steps into ``../checkpoint``, shared by the groups
+    (one copy of the model and optimizer; the groups' run folders side by side on shared storage,
+    as ``examples/slurm`` puts them), torchft with a Lighthouse from ``TORCHFT_LIGHTHOUSE``; pass
+    ``--fault_tolerance.replica_id``."""
     config = dsv4_flash()
     config.parallelism = ParallelismConfig(data_parallel_shard_degree=64, expert_parallel_degree=64)
     config.checkpoint.interval = 100
-    config.fault_tolerance = FaultTolerance(enable=True, group_size=2, min_replica_size=1)
+    config.fault_tolerance = FaultTolerance(
+        enable=True, group_size=2, min_replica_size=1, checkpoint_folder="../checkpoint"
+    )
     return config
 
 
