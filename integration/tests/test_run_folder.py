@@ -157,13 +157,9 @@ def one_rank() -> Iterator[None]:
 
 
 def _manager(folder: Path, model: torch.nn.Module, **fields: Any) -> ChecksummedCheckpointManager:
+    fields = {"keep_latest_k": 0, **fields}
     config = ChecksummedCheckpointManager.Config(
-        enable=True,
-        folder=str(folder),
-        interval=1,
-        keep_latest_k=0,
-        initial_load_model_only=False,
-        **fields,
+        enable=True, folder=str(folder), interval=1, initial_load_model_only=False, **fields
     )
     return ChecksummedCheckpointManager(
         config, dataloader=None, model_parts=[model], optimizers=_Counter(),  # type: ignore[arg-type]
@@ -316,10 +312,14 @@ def test_shared_checkpoints_have_one_writer_and_every_group_keeps_its_data_posit
 def test_an_asynchronous_shared_save_takes_its_step_name_once_sealed(
     tmp_path: Path, one_rank: None
 ) -> None:
+    """Asynchronous: whole or absent, as a synchronous one; the data positions are kept as the
+    checkpoints are (``keep_latest_k``)."""
     model = torch.nn.Linear(4, 4)
-    writer, _ = _sharing(tmp_path, model, 0, writes=True, async_mode="async")
+    writer, _ = _sharing(tmp_path, model, 0, writes=True, async_mode="async", keep_latest_k=2)
     assert writer.save(1)
     assert not (tmp_path / "step-1").exists()  # in flight, under its writing name
+    assert writer.save(2) and writer.save(3)
     writer.close()  # waits and seals
-    verify_checkpoint(tmp_path / "step-1")
+    verify_checkpoint(tmp_path / "step-3")
     assert not list(tmp_path.glob("writing-*"))
+    assert sorted(p.name for p in (tmp_path / "ft-replica-0").iterdir()) == ["step-2", "step-3"]

@@ -19,6 +19,7 @@ from torchtitan.tools.logging import logger
 from .run_folder import (
     CHECKSUMS,
     newest_verified_checkpoint,
+    step_of,
     unverified_reason,
     verify_checkpoint,
     write_checksums,
@@ -110,6 +111,7 @@ class ChecksummedCheckpointManager(CheckpointManager):
             async_mode=AsyncMode.DISABLED,
         )
         write_checksums(position)
+        self._purge_data_positions()
         if not self._writes():
             logger.info(f"step {curr_step}: data position saved; another group writes the rest")
             return True  # this step's checkpoint is the shared one
@@ -118,6 +120,17 @@ class ChecksummedCheckpointManager(CheckpointManager):
             return self._save_full(curr_step, last_step)
         finally:
             self._writing = None
+
+    def _purge_data_positions(self) -> None:
+        """Keep this group's ``keep_latest_k`` newest data positions, as torchtitan keeps the
+        newest checkpoints (a Flash group writes one file per rank each time)."""
+        if self._data_folder is None or self.keep_latest_k <= 0:
+            return
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        steps = sorted((s, p) for p in self._data_folder.iterdir() if (s := step_of(p)) is not None)
+        for _, path in steps[: -self.keep_latest_k]:
+            shutil.rmtree(path, ignore_errors=True)
 
     def _save_full(self, curr_step: int, last_step: bool) -> bool:
         saved = super()._save(curr_step, last_step)  # waits for an earlier asynchronous save
