@@ -312,10 +312,12 @@ def test_shared_checkpoints_have_one_writer_and_every_group_keeps_its_data_posit
 def test_an_asynchronous_shared_save_takes_its_step_name_once_sealed(
     tmp_path: Path, one_rank: None
 ) -> None:
-    """Asynchronous: whole or absent, as a synchronous one; the data positions are kept as the
-    checkpoints are (``keep_latest_k``)."""
+    """Asynchronous: whole or absent, as a synchronous one; what a killed writer left of an
+    earlier step goes at the next seal; the data positions are kept as the checkpoints are
+    (``keep_latest_k``)."""
     model = torch.nn.Linear(4, 4)
     writer, _ = _sharing(tmp_path, model, 0, writes=True, async_mode="async", keep_latest_k=2)
+    (tmp_path / "writing-0-r1" / "stale").mkdir(parents=True)  # a writer killed mid-save
     assert writer.save(1)
     assert not (tmp_path / "step-1").exists()  # in flight, under its writing name
     assert writer.save(2) and writer.save(3)

@@ -45,11 +45,12 @@ class ChecksummedCheckpointManager(CheckpointManager):
     LR schedule, training state), every group its own data position into ``ft-replica-<id>/``
     beside them, so a Flash run stores one copy of its terabytes, not one per group. The writer
     writes into a ``writing-<step>-r<id>`` folder and renames it to ``step-<step>`` once sealed,
-    so a checkpoint appears whole or not at all, and of two groups that both wrote a step (a
-    split brain, or a stop with no quorum to pick the writer) the first keeps its copy and the
-    other discards its own. A load takes the shared checkpoint and this group's data position of
-    the same step; where that is missing or does not verify, ``data_position_missing`` says so
-    and the data position is left at the start for the caller to move."""
+    so a checkpoint appears whole or not at all (what a writer killed mid-save leaves is deleted
+    at the next seal), and of two groups that both wrote a step (a split brain, or a stop with no
+    quorum to pick the writer) the first keeps its copy and the other discards its own. A load
+    takes the shared checkpoint and this group's data position of the same step; where that is
+    missing or does not verify, ``data_position_missing`` says so and the data position is left
+    at the start for the caller to move."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
@@ -151,7 +152,8 @@ class ChecksummedCheckpointManager(CheckpointManager):
 
     def _seal(self, folder: Path) -> None:
         """The manifest of a finished save; a shared-layout writer's folder then takes its step
-        name, unless another group's copy holds it already (that one stays)."""
+        name, unless another group's copy holds it already (that one stays). What a writer that
+        died mid-save left of an earlier step goes."""
         write_checksums(folder)
         step = _writing_step(folder)
         if step is None:
@@ -166,6 +168,9 @@ class ChecksummedCheckpointManager(CheckpointManager):
                     f"without a quorum); this group's copy of step {step} is discarded"
                 )
                 shutil.rmtree(folder, ignore_errors=True)
+            for stale in folder.parent.glob("writing-*"):
+                if (earlier := _writing_step(stale)) is not None and earlier < step:
+                    shutil.rmtree(stale, ignore_errors=True)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # no rank goes on before the step has its name
 
