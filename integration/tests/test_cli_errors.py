@@ -89,6 +89,22 @@ def test_a_bad_input_exits_2_with_one_line_and_no_run_folder(
     assert not runs.exists()
 
 
+def test_shared_checkpoints_without_fault_tolerance_are_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked where the trainer starts (the launcher of ``--replicas N`` adds the enable to its
+    groups' command lines, so the config it parses has none): one line, exit 2, no run left."""
+    runs = tmp_path / "runs"
+    args = ["--dump_folder", str(runs), "--fault_tolerance.checkpoint_folder", "../checkpoint"]
+    assert main(args) == 2
+    (printed,) = capsys.readouterr().err.splitlines()
+    assert printed == (
+        "ttnpu-train: error: invalid config dsv4_debug: fault_tolerance.checkpoint_folder needs "
+        "fault_tolerance.enable (it is where replica groups share their checkpoints)"
+    )
+    assert not any(runs.iterdir())
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_a_read_only_folder_is_refused_before_anything_is_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -93,8 +93,7 @@ class SDCGuard:
             reporter=self.reporter,
             fault=self._corrupt_reduce_scatter,
         )
-        self.sharded_modules = check_fsdp_reduce_scatter(model, self.reduce_scatter)
-        sharded = self.sharded_modules
+        sharded = check_fsdp_reduce_scatter(model, self.reduce_scatter)
         if config.inject_kind == "reduce_scatter" and config.inject_step and not sharded:
             raise ValueError(
                 "sdc.inject_kind reduce_scatter needs FSDP2 sharding "

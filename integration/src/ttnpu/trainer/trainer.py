@@ -221,6 +221,11 @@ class DSV4Trainer(Trainer):
                 "sdc.inject_kind allreduce needs fault_tolerance.enable: the all-reduce that is "
                 "checked is the one across replica groups"
             )
+        if config.fault_tolerance.checkpoint_folder and not config.fault_tolerance.enable:
+            raise ValueError(
+                "fault_tolerance.checkpoint_folder needs fault_tolerance.enable (it is where "
+                "replica groups share their checkpoints)"
+            )
         self.platform = activate(detect(config.device))
         _select_attention_backend(config, self.platform.device_type)
         super().__init__(config)
@@ -267,12 +272,8 @@ class DSV4Trainer(Trainer):
         )
         if self.sdc is not None:
             self.sdc.veto_through(self.stepper.raise_flag)
-        if (shared := ft.shared_checkpoints(run)) is not None:
-            if not isinstance(self.stepper, ReplicaStepper):
-                raise ValueError(
-                    "fault_tolerance.checkpoint_folder needs fault_tolerance.enable (it is where "
-                    "replica groups share their checkpoints)"
-                )
+        shared = ft.shared_checkpoints(run)
+        if shared is not None and isinstance(self.stepper, ReplicaStepper):  # enable: checked
             self.checkpointer.share(shared, ft.replica_id, self.stepper.writes_checkpoints)
         if ft.enable and ft.start_barrier:
             wait_at_start_barrier(

@@ -287,11 +287,7 @@ class Replica:
             return
         self._quorum_checked = True
         t0 = time.perf_counter()
-        try:
-            self.manager.wait_quorum()
-        except Exception as error:
-            self._raise_if_lighthouse_lost(error)
-            raise
+        self._await_quorum()
         self._timings["quorum"] += time.perf_counter() - t0
         if self.manager.errored() is not None:  # the quorum failed: the vote discards the step
             return
@@ -394,12 +390,16 @@ class Replica:
         if self._quorum_checked:
             return
         self._quorum_checked = True
+        self._await_quorum()
+        self.split_brain.skip()
+
+    def _await_quorum(self) -> None:
+        """torchft's wait for the step's quorum; a lost Lighthouse is named as such."""
         try:
             self.manager.wait_quorum()
         except Exception as error:
             self._raise_if_lighthouse_lost(error)
             raise
-        self.split_brain.skip()
 
     def run_step(
         self,
