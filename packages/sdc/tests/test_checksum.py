@@ -3,7 +3,14 @@ import math
 import pytest
 import torch
 
-from ttnpu.sdc import check_grouped_mm, check_matmul, flip_bit, unit_roundoff
+from ttnpu.sdc import (
+    check_grouped_mm,
+    check_matmul,
+    flip_bit,
+    screen_grouped_mm,
+    screen_matmul,
+    unit_roundoff,
+)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -156,3 +163,44 @@ def test_grouped_weight_gradient_with_one_token_experts_checks_every_group() -> 
         bad[group, 5, 7] *= 16
         r = check_grouped_mm(x, dy, bad, offs=offs)
         assert (r.ok, r.verdict) == (False, "transient"), group
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_screen_passes_what_the_check_finds_clean_and_flags_every_caught_flip(
+    fused: bool,
+) -> None:
+    """The screen is the full check's first stage without a host sync: <= 1 exactly where the
+    check is not suspect (its two forms agree), and a flip whose fp32 norm overflows (a row the
+    full check rescales) is flagged, not passed as an infinite bound."""
+    g = torch.Generator().manual_seed(5)
+    flagged = 0
+    for trial in range(40):
+        m, k, n = (int(2 ** torch.empty(1).uniform_(1, 8, generator=g)) for _ in range(3))
+        a, b = _operands(m, k, n, torch.bfloat16, 10.0 ** (trial % 5 - 2))
+        bias = torch.randn(n).bfloat16() if trial % 3 == 0 else None
+        out = a @ b if bias is None else torch.addmm(bias, a, b)
+        if trial % 2:
+            flip_bit(out, (trial * 7919) % out.numel(), 14 - trial % 8)
+        suspect = check_matmul(a, b, out, bias=bias, confirm=False).suspect
+        ratio = float(screen_matmul(a, b, out, bias=bias, fused=fused))
+        assert (not ratio <= 1.0) == suspect, (m, k, n, trial, ratio)
+        flagged += suspect
+    assert flagged >= 10
+    a, b = _operands(16, 32, 24, torch.bfloat16, 1.0)
+    out = a @ b
+    out[3, 4] = 3e38  # squares overflow fp32: the norm is inf, the bound too
+    assert float(screen_matmul(a, b, out, fused=fused)) == math.inf
+    assert check_matmul(a, b, out).verdict == "transient"
+
+
+def test_grouped_screen_flags_a_flip_in_any_group() -> None:
+    bf = torch.bfloat16
+    offs = torch.tensor([16, 16, 40, 64], dtype=torch.int32)
+    for a, b in (
+        (torch.randn(64, 32, dtype=bf), torch.randn(4, 32, 16, dtype=bf)),  # row groups
+        (torch.randn(64, 24, dtype=bf).t(), torch.randn(64, 16, dtype=bf)),  # K groups
+    ):
+        out = torch._grouped_mm(a, b, offs=offs)
+        assert float(screen_grouped_mm(a, b, out, offs=offs)) <= 1.0
+        out.view(-1)[out.numel() // 2 + 3] += 1000.0
+        assert float(screen_grouped_mm(a, b, out, offs=offs)) > 1.0

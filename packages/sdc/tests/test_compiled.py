@@ -52,11 +52,11 @@ class _Inspect(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.inner(graph)
         for node in graph.nodes:
-            if node.op == "call_function" and node.target in COVERED_OPS:
-                nxt = node.next
-                self.sites.append(
-                    (str(node.target), nxt.target is CHECK_OP and nxt.args[0] is node)
-                )
+            val = node.meta.get("val")
+            selected = isinstance(val, torch.Tensor) and val.dtype == torch.bfloat16
+            if node.op == "call_function" and node.target in COVERED_OPS and selected:
+                checked = any(u.target is CHECK_OP and u.args[1] is node for u in node.users)
+                self.sites.append((str(node.target), checked))
 
     def uuid(self) -> Any:
         return ("inspect", self.inner.uuid())
@@ -64,7 +64,7 @@ class _Inspect(CustomGraphPass):
 
 @pytest.fixture(scope="module")
 def compiled() -> Iterator[tuple[Any, _Experts, Any, _Inspect]]:
-    ours = install_checksum_pass(dtypes=(torch.bfloat16,))
+    ours = install_checksum_pass(dtypes=(torch.bfloat16,), fault_injection=True)
     inspect = _Inspect(inductor_config.post_grad_custom_post_pass)
     inductor_config.post_grad_custom_post_pass = inspect
     torch.manual_seed(0)

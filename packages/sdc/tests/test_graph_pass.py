@@ -15,7 +15,8 @@ from ttnpu.sdc import (
     install_checksum_pass,
     uninstall_checksum_pass,
 )
-from ttnpu.sdc.compiled import CHECK_OP
+from ttnpu.sdc.compiled import CHECK_OP, INJECT_OP
+from ttnpu.sdc.sites import COVERED_OPS
 
 
 def _graph() -> torch.fx.Graph:
@@ -34,20 +35,53 @@ def _graph() -> torch.fx.Graph:
     return make_fx(f, tracing_mode="fake")(*args).graph
 
 
+def _reads(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """Whether ``node`` is computed from ``source``."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is source:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return False
+
+
 def test_checks_follow_selected_dtypes_with_their_operands() -> None:
     graph = _graph()
     ours = ChecksumGraphPass(dtypes=(torch.bfloat16,))
     ours(graph)
     checks = [n for n in graph.nodes if n.target is CHECK_OP]
-    assert [c.args[5] for c in checks] == ["addmm", "_grouped_mm"]  # the fp32 mm is not selected
+    assert [c.args[6] for c in checks] == ["addmm", "_grouped_mm"]  # the fp32 mm is not selected
     addmm, grouped = checks
-    assert addmm.prev is addmm.args[0] and addmm.args[7:] == (1.0, 0.5)  # alpha, beta
-    assert grouped.args[4] is not None  # offs
+    assert addmm.args[1].target is torch.ops.aten.addmm.default
+    assert addmm.args[8:] == (1.0, 0.5)  # alpha, beta
+    assert grouped.args[5] is not None  # offs
+    # The screen is graph ops computed from the product, its operands and bias (for Inductor to
+    # fuse), not an opaque call: the check op only reads its verdict.
+    screened = addmm.args[0]
+    assert screened.op == "call_function" and screened.target is not CHECK_OP
+    for source in (addmm.args[1], *addmm.args[2:5]):
+        assert _reads(screened, source)
+    assert screened.meta["val"].shape == () and screened.meta["val"].dtype == torch.float32
+    assert not any(n.target is INJECT_OP for n in graph.nodes)
     assert ours.inserted == 2 and ours.graphs == 1
-    assert str(addmm.args[6]).startswith("forward:")
+    assert str(addmm.args[7]).startswith("forward:")
     all_dtypes = ChecksumGraphPass(dtypes=(torch.bfloat16, torch.float32))
     all_dtypes(_graph())
     assert all_dtypes.inserted == 3 and all_dtypes.uuid() != ours.uuid()
+
+
+def test_fault_injection_hooks_come_right_after_each_matmul_before_its_readers() -> None:
+    graph = _graph()
+    ours = ChecksumGraphPass(dtypes=(torch.bfloat16,), fault_injection=True)
+    ours(graph)
+    hooks = [n for n in graph.nodes if n.target is INJECT_OP]
+    assert [h.args[1] for h in hooks] == ["addmm", "_grouped_mm"]
+    for hook in hooks:
+        assert hook.prev is hook.args[0] and hook.args[0].target in COVERED_OPS
+    assert ours.uuid() != ChecksumGraphPass(dtypes=(torch.bfloat16,)).uuid()
 
 
 class _Other(CustomGraphPass):

@@ -11,7 +11,15 @@ from importlib import import_module
 from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
 
-from .checksum import SIGMAS, CheckResult, check_grouped_mm, check_matmul, unit_roundoff
+from .checksum import (
+    SIGMAS,
+    CheckResult,
+    check_grouped_mm,
+    check_matmul,
+    screen_grouped_mm,
+    screen_matmul,
+    unit_roundoff,
+)
 from .comm import CollectiveChecker, ReductionChecksums, chunk_length
 from .config import SDCConfig
 from .eager import ChecksumMode
@@ -110,6 +118,8 @@ __all__ = [
     "enable_native_detection",
     "flip_bit",
     "install_checksum_pass",
+    "screen_grouped_mm",
+    "screen_matmul",
     "set_default_reporter",
     "uninstall_checksum_pass",
     "unit_roundoff",

@@ -10,7 +10,7 @@ is that time divided by the one of its baseline (eager, or compiled without the 
 
 * ``eager_checksums``: :class:`ChecksumMode` over every matmul, forward and backward;
 * ``compiled_checksums``: the Inductor pass with checks on; ``compiled_checks_off`` with the
-  pass compiled in but switched off (the cost while escalation is idle);
+  pass compiled in but switched off (the fused screen still runs, the verdict is not read);
 * ``gradient_detection``: :class:`GradientDetector` at every step (sampling interval 3);
 * ``comm_checks``: gradients all-reduced through :class:`CollectiveChecker` instead of plain
   ``all_reduce`` on a one-rank gloo group (checksum work and the extra small collective);

@@ -16,6 +16,11 @@ A suspect result is confirmed before it is reported: the product is recomputed o
 (a transient fault does not come back), and if the recomputation is suspect too, both are compared
 element by element with an fp64 reference computed on the host (a persistent fault of the device
 does not survive a different unit). Only then is ``ok`` False.
+
+The judgement of a clean product is :func:`screen_matmul` / :func:`screen_grouped_mm`: the worst
+row's error over its bound as a 0-d tensor, with no host synchronisation and no branch on data, so
+that the compiled pass can put it into the graph, where the compiler fuses its reductions with the
+product's other readers. Only a product whose screen is not <= 1 goes through the full check.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ __all__ = [
     "Verdict",
     "check_grouped_mm",
     "check_matmul",
+    "screen_grouped_mm",
+    "screen_matmul",
     "unit_roundoff",
 ]
 
@@ -175,20 +182,31 @@ def _norm(x: Tensor, dim: int | tuple[int, ...]) -> Tensor:
 
 
 def _row_sums(
-    a: Tensor, b: Tensor, out: Tensor, bias: Tensor | None, alpha: float, beta: float
+    a: Tensor,
+    b: Tensor,
+    out: Tensor,
+    bias: Tensor | None,
+    alpha: float,
+    beta: float,
+    fused: bool = False,
 ) -> _RowSums:
     """Row sums of ``alpha·a@b + beta·bias`` predicted from the operands, and those of ``out``.
 
     Two passes over each of A, B and C (after one fp32 conversion of each half-precision
     operand). The magnitude Σ_k |a_ik|·Σ_j|b_kj| is bounded by ‖a_i‖₂·√N·‖B‖_F (Cauchy-Schwarz
     twice) and Σ_j|c_ij| by √N·‖c_i‖₂: both only scale fp32 roundoff terms, and 2-norms are
-    the fast reductions.
+    the fast reductions. ``fused`` predicts the row sums by a product and a sum over K, which a
+    compiler fuses with the norm of A's rows into one pass over A; eagerly a matrix-vector
+    product is faster.
     """
     work = _work_dtype(out.dtype)
     k, n = a.shape[-1], b.shape[-1]
     a_ = a.to(work)
     b_ = b.to(work)  # one conversion each: reductions with dtype= convert on every call
-    expected = (a_ @ b_.sum(-1, keepdim=True)).squeeze(-1) * alpha
+    if fused:
+        expected = (a_ * b_.sum(-1).unsqueeze(-2)).sum(-1) * alpha
+    else:
+        expected = (a_ @ b_.sum(-1, keepdim=True)).squeeze(-1) * alpha
     b_fro = _norm(b_, (-2, -1))
     mag = _norm(a_, -1) * (b_fro * math.sqrt(n) * abs(alpha)).unsqueeze(-1)
     if bias is not None:
@@ -249,6 +267,54 @@ def _worst(err: Tensor, bound: Tensor) -> tuple[float, float, bool]:
     i = ratio.argmax()
     e, bd, r = torch.stack([err[i], bound[i], ratio[i]]).tolist()
     return e, bd, r > 1.0
+
+
+def _worst_ratio(
+    s: _RowSums, out_dtype: torch.dtype, in_dtype: torch.dtype, sigmas: float
+) -> Tensor:
+    """The largest row error over its bound, 0 for no rows; NaN or inf where a row or its bound is
+    not finite (an overflowed norm bounds nothing: the full check rescales it)."""
+    bound = _bound(s, out_dtype, in_dtype, sigmas)
+    ratio = (s.c_sum - s.expected).abs() / bound.clamp_min(torch.finfo(bound.dtype).tiny)
+    ratio = torch.where(torch.isfinite(bound), ratio, math.inf)
+    return torch.nn.functional.pad(ratio.reshape(-1), (0, 1)).amax()
+
+
+def screen_matmul(
+    a: Tensor,
+    b: Tensor,
+    out: Tensor,
+    *,
+    bias: Tensor | None = None,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    sigmas: float = SIGMAS,
+    fused: bool = False,
+) -> Tensor:
+    """The worst row's checksum error over its rounding bound for ``out == alpha·a@b + beta·bias``
+    (0-d, the work dtype): ``out`` passes where it is <= 1; anything else (NaN included) is for
+    :func:`check_matmul` to judge and confirm. ``fused`` writes it for a compiler to fuse (one
+    pass over each operand) rather than for eager execution."""
+    sums = _row_sums(a, b, out, bias, alpha, beta, fused)
+    return _worst_ratio(sums, out.dtype, a.dtype, sigmas)
+
+
+def screen_grouped_mm(
+    a: Tensor,
+    b: Tensor,
+    out: Tensor,
+    *,
+    offs: Tensor | None = None,
+    bias: Tensor | None = None,
+    sigmas: float = SIGMAS,
+    fused: bool = False,
+) -> Tensor:
+    """:func:`screen_matmul` for ``torch._grouped_mm``, every group at once."""
+    if offs is None:
+        bias = None if bias is None else bias.unsqueeze(-2)
+        return screen_matmul(a, b, out, bias=bias, sigmas=sigmas, fused=fused)
+    sums, _ = _grouped_row_sums(a, b, out, offs, bias)
+    return _worst_ratio(sums, out.dtype, a.dtype, sigmas)
 
 
 def _host_reference_disagrees(
@@ -398,7 +464,7 @@ def _group_of(offs: Tensor, length: int) -> Tensor:
 def _segment_sum(x: Tensor, group: Tensor, groups: int) -> Tensor:
     """Sums of the rows of ``x`` in each group: (groups, *x.shape[1:])."""
     shape = (groups + 1, *x.shape[1:])
-    return x.new_zeros(shape).index_add_(0, group, x)[:groups]
+    return x.new_zeros(shape).index_add(0, group, x)[:groups]
 
 
 def _grouped_row_sums(

@@ -1,16 +1,28 @@
-"""Compiled mode: an Inductor post-grad pass that puts a checksum op after every covered matmul.
+"""Compiled mode: an Inductor post-grad pass that compiles a checksum into the graph of every
+covered matmul.
 
-The pass runs on every graph Inductor compiles (forward and backward of the training graph) and
-inserts ``ttnpu_sdc::check_matmul(out, a, b, bias, offs, op, site, alpha, beta)`` right after each
-``mm``/``addmm``/``bmm``/``_grouped_mm`` whose output dtype is selected. The op is opaque to the
-compiler (a fallback kernel declared as mutating ``out``, so it is neither dropped nor reordered
-past the consumers of ``out``) and asks :data:`~ttnpu.sdc.checksum_switch` at every call whether to
-work: switching checks on or off never recompiles. Nothing here is device-specific: the same op
-and pass run wherever Inductor does (CPU, CUDA, NPU through torch_npu's Inductor backend).
+The pass runs on every graph Inductor compiles (forward and backward of the training graph). After
+each ``mm``/``addmm``/``bmm``/``_grouped_mm`` whose output dtype is selected it inlines the
+checksum screen (:func:`~ttnpu.sdc.sites.screen`: row sums and norms of the operands and the
+product, the rounding bound, the worst row's ratio) as ordinary graph ops, so Inductor fuses its
+reductions into its own kernels, one pass over each operand, and over the product together with
+the product's other readers where their loops match. Then
+``ttnpu_sdc::check_matmul(screen, out, a, b, bias, offs, op, site, alpha, beta)`` reads the
+screen's verdict (one 0-d value) and only a result that does not pass goes through the full
+check, recomputation and report. That op asks :data:`~ttnpu.sdc.checksum_switch` at every call
+whether to read the verdict: switching checks on or off never recompiles, and while they are off
+the graph still pays the fused screen (``compiled_checks_off`` in ``python -m ttnpu.sdc.bench``),
+not the verdict's host synchronisation. Nothing here is device-specific: the same ops and pass run
+wherever Inductor does (CPU, CUDA, NPU through torch_npu's Inductor backend).
+
+Graphs compiled with ``fault_injection=True`` also get ``ttnpu_sdc::inject(out, op, site)`` right
+after each matmul, before anything reads the product, where :func:`~ttnpu.sdc.arm_compiled_fault`
+corrupts it at run time; production graphs do not carry that hook.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,11 +31,13 @@ from typing import Any
 import torch
 import torch._inductor.config as inductor_config
 from torch import Tensor
+from torch._guards import detect_fake_mode
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.pattern_matcher import fwd_only
 
 from .events import default_reporter
 from .inject import compiled_fault
-from .sites import COVERED_OPS, CheckStats, Operands, check_and_report, operands
+from .sites import COVERED_OPS, CheckStats, Operands, check_and_report, operands, screen
 from .switch import checksum_switch
 
 __all__ = [
@@ -42,8 +56,18 @@ def compiled_stats() -> CheckStats:
     return _stats
 
 
-@torch.library.custom_op("ttnpu_sdc::check_matmul", mutates_args=("out",))
+# Defined on a plain Library (not ``torch.library.custom_op``, whose wrapper costs ~10 µs a call,
+# once per matmul): the schema declares the screen mutated (it is not written) so that the
+# compiler keeps the op.
+_LIB = torch.library.Library("ttnpu_sdc", "DEF")
+_LIB.define(
+    "check_matmul(Tensor(a!) screened, Tensor out, Tensor a, Tensor b, Tensor? bias, "
+    "Tensor? offs, str op, str site, float alpha, float beta) -> ()"
+)
+
+
 def _check_matmul_op(
+    screened: Tensor,
     out: Tensor,
     a: Tensor,
     b: Tensor,
@@ -54,8 +78,6 @@ def _check_matmul_op(
     alpha: float,
     beta: float,
 ) -> None:
-    phase = site.split(":", 1)[0]
-    compiled_fault(op, phase, out)
     if checksum_switch.should_check():
         check_and_report(
             op,
@@ -64,32 +86,62 @@ def _check_matmul_op(
             where=f"{op}:{site}",
             reporter=default_reporter(),
             stats=_stats,
+            screened=screened,
         )
 
 
-@_check_matmul_op.register_fake
-def _(
-    out: Tensor,
-    a: Tensor,
-    b: Tensor,
-    bias: Tensor | None,
-    offs: Tensor | None,
-    op: str,
-    site: str,
-    alpha: float,
-    beta: float,
-) -> None:
+_LIB.impl("check_matmul", _check_matmul_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ttnpu_sdc::check_matmul", lib=_LIB)
+def _(*args: Any) -> None:
+    return None
+
+
+@torch.library.custom_op("ttnpu_sdc::inject", mutates_args=("out",))
+def _inject_op(out: Tensor, op: str, site: str) -> None:
+    compiled_fault(op, site.split(":", 1)[0], out)
+
+
+@_inject_op.register_fake
+def _(out: Tensor, op: str, site: str) -> None:
     return None
 
 
 CHECK_OP = torch.ops.ttnpu_sdc.check_matmul.default
+INJECT_OP = torch.ops.ttnpu_sdc.inject.default
+
+
+def _inline_screen(graph: torch.fx.Graph, op: str, o: Operands, out: torch.fx.Node) -> Any:
+    """Trace the op's screen on the nodes' fake values and copy its ops into ``graph`` at the
+    current insertion point; returns the node of the screen's value."""
+    names = [name for name in ("a", "b", "bias", "offs") if getattr(o, name) is not None]
+    nodes = [getattr(o, name) for name in names] + [out]
+
+    def traced(*values: Tensor) -> Tensor:
+        given = dict(zip(names, values, strict=False))
+        ops = Operands(
+            given["a"], given["b"], given.get("bias"), given.get("offs"), o.alpha, o.beta
+        )
+        return screen(op, ops, values[-1], fused=True)
+
+    values = [n.meta["val"] for n in nodes]
+    fake_mode = detect_fake_mode(values)  # tensors the screen creates must be fake too
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        sub = fwd_only(traced, values)
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    return graph.graph_copy(sub.graph, dict(zip(placeholders, nodes, strict=True)))
 
 
 class ChecksumGraphPass(CustomGraphPass):
-    """Post-grad pass inserting :data:`CHECK_OP` after covered matmuls of the selected dtypes."""
+    """Post-grad pass compiling a checksum after covered matmuls of the selected dtypes (and, with
+    ``fault_injection``, the hook :func:`~ttnpu.sdc.arm_compiled_fault` corrupts products at)."""
 
-    def __init__(self, dtypes: Iterable[torch.dtype] = (torch.bfloat16,)) -> None:
+    def __init__(
+        self, dtypes: Iterable[torch.dtype] = (torch.bfloat16,), fault_injection: bool = False
+    ) -> None:
         self.dtypes = frozenset(dtypes)
+        self.fault_injection = fault_injection
         self.graphs = 0
         self.inserted = 0
 
@@ -105,19 +157,24 @@ class ChecksumGraphPass(CustomGraphPass):
             if op is None or not isinstance(val, Tensor) or val.dtype not in self.dtypes:
                 continue
             o = operands(op, node.args, node.kwargs)
-            with graph.inserting_after(node):
+            site = f"{phase}:{node.name}"
+            with graph.inserting_before(node.next):  # in order, right after the matmul
+                if self.fault_injection:
+                    graph.call_function(INJECT_OP, (node, op, site)).meta["val"] = None
+                screened = _inline_screen(graph, op, o, node)
                 check = graph.call_function(
-                    CHECK_OP,
-                    (node, o.a, o.b, o.bias, o.offs, op, f"{phase}:{node.name}", o.alpha, o.beta),
+                    CHECK_OP, (screened, node, o.a, o.b, o.bias, o.offs, op, site, o.alpha, o.beta)
                 )
             check.meta["val"] = None
             self.inserted += 1
 
     def uuid(self) -> Any:
-        """Changes with this file and the dtypes, so Inductor's FX cache never mixes graphs."""
-        source = Path(__file__).read_bytes()
-        dtypes = ",".join(sorted(str(d) for d in self.dtypes)).encode()
-        return hashlib.sha256(source + dtypes).hexdigest()
+        """Changes with this file and the options, so Inductor's FX cache never mixes graphs."""
+        sources = b"".join(
+            Path(__file__).with_name(name).read_bytes() for name in ("compiled.py", "checksum.py")
+        )
+        options = ",".join(sorted(str(d) for d in self.dtypes)) + f",{self.fault_injection}"
+        return hashlib.sha256(sources + options.encode()).hexdigest()
 
 
 class _Chain(CustomGraphPass):
@@ -139,26 +196,28 @@ _previous: Any = None
 
 
 def install_checksum_pass(
-    dtypes: Iterable[torch.dtype] = (torch.bfloat16,),
+    dtypes: Iterable[torch.dtype] = (torch.bfloat16,), fault_injection: bool = False
 ) -> ChecksumGraphPass:
     """Add the checksum pass to ``torch._inductor.config.post_grad_custom_post_pass``.
 
     Call before the first compiled call (compilation is lazy). A pass installed earlier by someone
-    else keeps running first. Installing again replaces our pass (with the new dtypes).
+    else keeps running first. Installing again replaces our pass (with the new options).
+    ``fault_injection`` compiles the hooks :func:`~ttnpu.sdc.arm_compiled_fault` needs (drills,
+    tests).
     """
     global _previous
     current = inductor_config.post_grad_custom_post_pass
     if isinstance(current, (ChecksumGraphPass, _Chain)):
         uninstall_checksum_pass()
         current = inductor_config.post_grad_custom_post_pass
-    ours = ChecksumGraphPass(dtypes)
+    ours = ChecksumGraphPass(dtypes, fault_injection)
     _previous = current
     inductor_config.post_grad_custom_post_pass = ours if current is None else _Chain(current, ours)
     return ours
 
 
 def checksum_compile_options(
-    dtypes: Iterable[torch.dtype] = (torch.bfloat16,),
+    dtypes: Iterable[torch.dtype] = (torch.bfloat16,), fault_injection: bool = False
 ) -> dict[str, Any]:
     """Inductor options that instrument one ``torch.compile`` call only.
 
@@ -166,7 +225,7 @@ def checksum_compile_options(
     compiled code in the process stays as it is (Dynamo keeps separate cache entries per backend,
     so an uninstrumented compilation of the same code is never reused for it, nor the reverse).
     """
-    return {"post_grad_custom_post_pass": ChecksumGraphPass(dtypes)}
+    return {"post_grad_custom_post_pass": ChecksumGraphPass(dtypes, fault_injection)}
 
 
 def uninstall_checksum_pass() -> None:

@@ -2,8 +2,9 @@
 
 ``flip_bit`` corrupts one element of any tensor in place (a gradient, a collective buffer). A
 :class:`FaultPlan` says which covered matmul call to corrupt; :class:`MatmulFaultMode` applies it in
-eager code, :func:`arm_compiled_fault` inside graphs compiled with the checksum pass (the fault is
-applied by the checksum op just before it checks, so downstream consumers see the corrupted value).
+eager code, :func:`arm_compiled_fault` inside graphs compiled with the checksum pass and
+``fault_injection=True`` (a hook right after each matmul corrupts the product before anything
+reads it: its checksum and its consumers see the corrupted value).
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ _compiled_plan: FaultPlan | None = None
 
 
 def arm_compiled_fault(plan: FaultPlan) -> None:
-    """Have the compiled checksum ops apply ``plan`` (at run time, no recompilation)."""
+    """Have the fault hooks of graphs compiled with ``fault_injection=True`` apply ``plan`` (at
+    run time, no recompilation)."""
     global _compiled_plan
     _compiled_plan = plan
 
@@ -135,7 +137,7 @@ def disarm_compiled_fault() -> None:
 
 
 def compiled_fault(op: str, phase: str, out: Tensor) -> None:
-    """Called by the compiled checksum op before it checks ``out``."""
+    """Called by the compiled fault hook right after the matmul that produced ``out``."""
     plan = _compiled_plan
     if plan is not None:
         plan.maybe_corrupt(op, phase, out)

@@ -12,10 +12,24 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checksum import SIGMAS, CheckResult, check_grouped_mm, check_matmul
+from .checksum import (
+    SIGMAS,
+    check_grouped_mm,
+    check_matmul,
+    screen_grouped_mm,
+    screen_matmul,
+)
 from .events import Reporter
 
-__all__ = ["COVERED_OPS", "CheckStats", "Operands", "check_and_report", "current_phase", "operands"]
+__all__ = [
+    "COVERED_OPS",
+    "CheckStats",
+    "Operands",
+    "check_and_report",
+    "current_phase",
+    "operands",
+    "screen",
+]
 
 aten = torch.ops.aten
 COVERED_OPS: dict[Any, str] = {
@@ -69,6 +83,26 @@ class CheckStats:
     faults: int = 0
 
 
+def screen(
+    op: str, ops: Operands, out: Tensor, sigmas: float = SIGMAS, fused: bool = False
+) -> Tensor:
+    """The covered op's checksum screen (0-d): the result passes where it is <= 1."""
+    if op == "_grouped_mm":
+        return screen_grouped_mm(
+            ops.a, ops.b, out, offs=ops.offs, bias=ops.bias, sigmas=sigmas, fused=fused
+        )
+    return screen_matmul(
+        ops.a,
+        ops.b,
+        out,
+        bias=ops.bias,
+        alpha=ops.alpha,
+        beta=ops.beta,
+        sigmas=sigmas,
+        fused=fused,
+    )
+
+
 def check_and_report(
     op: str,
     ops: Operands,
@@ -78,15 +112,24 @@ def check_and_report(
     reporter: Reporter,
     stats: CheckStats,
     sigmas: float = SIGMAS,
-) -> CheckResult:
-    """Check one covered op's output; report a confirmed fault as a ``matmul`` event."""
+    screened: Tensor | None = None,
+) -> None:
+    """Check one covered op's output; report a confirmed fault as a ``matmul`` event.
+
+    ``screened`` is the op's :func:`screen` when it was computed already (in a compiled graph);
+    only a result that does not pass it is judged in full and confirmed.
+    """
+    stats.checked += 1
+    if screened is None:
+        screened = screen(op, ops, out, sigmas)
+    if screened.item() <= 1.0:  # NaN is not
+        return
     if op == "_grouped_mm":
         result = check_grouped_mm(ops.a, ops.b, out, offs=ops.offs, bias=ops.bias, sigmas=sigmas)
     else:
         result = check_matmul(
             ops.a, ops.b, out, bias=ops.bias, alpha=ops.alpha, beta=ops.beta, sigmas=sigmas
         )
-    stats.checked += 1
     stats.suspects += result.suspect
     stats.false_alarms += result.verdict == "false_alarm"
     if not result.ok:
@@ -105,4 +148,3 @@ def check_and_report(
                 "shape": "x".join(map(str, out.shape)),
             },
         )
-    return result
