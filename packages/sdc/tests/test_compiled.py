@@ -17,6 +17,7 @@ from ttnpu.sdc import (
     FaultPlan,
     VetoFlag,
     arm_compiled_fault,
+    checksum_compile_options,
     checksum_switch,
     compiled_stats,
     disarm_compiled_fault,
@@ -131,3 +132,28 @@ def test_injected_fault_inside_the_compiled_graph_is_reported(
     assert event.kind == "matmul" and event.confirmed and event.where.startswith("mm:forward:")
     assert not torch.equal(corrupted, clean)  # the consumer saw the corrupted product
     assert ours.graphs == 2
+
+
+def test_dynamic_shapes_compile_the_screen_symbolically_and_catch_a_flip(veto: VetoFlag) -> None:
+    """Compiled with ``dynamic=True`` the screen is traced over symbolic sizes: batches of other
+    sizes run the same graph, are checked clean, and a flip in one of them is caught."""
+    torch.manual_seed(1)
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)).bfloat16()
+    options = checksum_compile_options(fault_injection=True)
+    fn = torch.compile(mlp, dynamic=True, options=options)
+    before = compiled_stats().checked
+    with inductor_config.patch(fx_graph_cache=False):
+        for n in (8, 24):
+            _step(fn, torch.randn(n, 32, dtype=torch.bfloat16))
+        assert compiled_stats().checked - before == 2 * 5  # 2 forward, 3 backward products
+        assert not veto.take()
+        plan = FaultPlan([BitFlip(index=5, bit=14)], ops=frozenset({"addmm"}), phase="forward")
+        arm_compiled_fault(plan)
+        try:
+            _step(fn, torch.randn(40, 32, dtype=torch.bfloat16))
+        finally:
+            disarm_compiled_fault()
+    assert plan.fired == 1
+    (event,) = veto.take()
+    assert event.confirmed and event.where.startswith("addmm:forward:")
+    assert options["post_grad_custom_post_pass"].graphs == 2  # one forward, one backward graph

@@ -42,18 +42,19 @@ def _chunk_sums(flat: Tensor, length: int, magnitudes: bool = True) -> Tensor:
     sums of magnitudes as the second row, or (chunks,) without them (a result is judged by its
     sums alone). No padded copy; ``abs().sum()``, not ``vector_norm(1)``, which CPU kernels run
     several times slower: a gradient all-reduce checks tens of millions of elements every step."""
-    x = flat if flat.dtype == torch.float32 else flat.to(torch.float32)
+    converted = flat.dtype != torch.float32
+    x = flat.to(torch.float32) if converted else flat
     full = x.numel() // length * length
-    head = x[:full].view(-1, length)
-    rows = [head.sum(1)]
-    if magnitudes:
-        rows.append(head.abs().sum(1))
-    if full < x.numel():
-        tail = x[full:]
-        rows[0] = torch.cat([rows[0], tail.sum().reshape(1)])
-        if magnitudes:
-            rows[1] = torch.cat([rows[1], tail.abs().sum().reshape(1)])
-    return torch.stack(rows) if magnitudes else rows[0]
+    head, tail = x[:full].view(-1, length), x[full:]
+    sums = torch.cat([head.sum(1), tail.sum().reshape(1)]) if full < x.numel() else head.sum(1)
+    if not magnitudes:
+        return sums
+    # Magnitudes in place in our own fp32 copy: a fresh tensor of |x| is a second allocation of
+    # the whole buffer, which costs more than the reduction on a CPU.
+    x = x.abs_() if converted else x.abs()
+    head, tail = x[:full].view(-1, length), x[full:]
+    mags = torch.cat([head.sum(1), tail.sum().reshape(1)]) if full < x.numel() else head.sum(1)
+    return torch.stack([sums, mags])
 
 
 def _verify_chunks(
