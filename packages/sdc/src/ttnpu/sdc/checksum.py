@@ -180,6 +180,16 @@ def _norm(x: Tensor, dim: int | tuple[int, ...]) -> Tensor:
     return x.square().sum(dim).sqrt()
 
 
+def _sums_along_rows(b: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
+    """Row sums of ``b`` (..., K) and its Frobenius norm over the last two dims (...,). ``fused``
+    takes the norm from the rows' sums of squares, a reduction along the same dim that a compiler
+    fuses with the sums (one pass over B instead of two); eagerly the whole-matrix norm is
+    faster."""
+    if fused:
+        return b.sum(-1), b.square().sum(-1).sum(-1).sqrt()
+    return b.sum(-1), _norm(b, (-2, -1))
+
+
 def _row_sums(
     a: Tensor,
     b: Tensor,
@@ -202,11 +212,11 @@ def _row_sums(
     k, n = a.shape[-1], b.shape[-1]
     a_ = a.to(work)
     b_ = b.to(work)  # one conversion each: reductions with dtype= convert on every call
+    b_sum, b_fro = _sums_along_rows(b_, fused)
     if fused:
-        expected = (a_ * b_.sum(-1).unsqueeze(-2)).sum(-1) * alpha
+        expected = (a_ * b_sum.unsqueeze(-2)).sum(-1) * alpha
     else:
-        expected = (a_ @ b_.sum(-1, keepdim=True)).squeeze(-1) * alpha
-    b_fro = _norm(b_, (-2, -1))
+        expected = (a_ @ b_sum.unsqueeze(-1)).squeeze(-1) * alpha
     mag = _norm(a_, -1) * (b_fro * math.sqrt(n) * abs(alpha)).unsqueeze(-1)
     if bias is not None:
         if bias.dim() == 1:  # one bias per column: its sums are scalars
@@ -312,7 +322,7 @@ def screen_grouped_mm(
     if offs is None:
         bias = None if bias is None else bias.unsqueeze(-2)
         return screen_matmul(a, b, out, bias=bias, sigmas=sigmas, fused=fused)
-    sums, _ = _grouped_row_sums(a, b, out, offs, bias)
+    sums, _ = _grouped_row_sums(a, b, out, offs, bias, fused)
     return _worst_ratio(sums, out.dtype, a.dtype, sigmas)
 
 
@@ -467,7 +477,7 @@ def _segment_sum(x: Tensor, group: Tensor, groups: int) -> Tensor:
 
 
 def _grouped_row_sums(
-    a: Tensor, b: Tensor, out: Tensor, offs: Tensor, bias: Tensor | None
+    a: Tensor, b: Tensor, out: Tensor, offs: Tensor, bias: Tensor | None, fused: bool = False
 ) -> tuple[_RowSums, tuple[int, ...]]:
     """Row sums of every group of a grouped mm at once (no loop over groups), and the rows'
     shape: (rows of out) for row groups, (groups, rows) for K groups, (rows, groups) for column
@@ -478,8 +488,9 @@ def _grouped_row_sums(
     if b.dim() == 3:  # groups of rows: the expert forward
         group = _group_of(offs, a.shape[0])
         pad = a_.new_zeros(1)  # rows of no group: zero sums and magnitude
-        b_sum = torch.cat([b_.sum(-1), pad.expand(1, b.shape[1])])[group]  # (M, K)
-        b_fro = torch.cat([_norm(b_, (-2, -1)), pad])[group]
+        b_sum, b_fro = _sums_along_rows(b_, fused)
+        b_sum = torch.cat([b_sum, pad.expand(1, b.shape[1])])[group]  # (M, K)
+        b_fro = torch.cat([b_fro, pad])[group]
         expected = (a_ * b_sum).sum(-1)
         mag = _norm(a_, -1) * b_fro * math.sqrt(b.shape[-1])
         if bias is not None:

@@ -119,7 +119,7 @@ def _inline_screen(graph: torch.fx.Graph, op: str, o: Operands, out: torch.fx.No
     nodes = [getattr(o, name) for name in names] + [out]
 
     def traced(*values: Tensor) -> Tensor:
-        given = dict(zip(names, values, strict=False))
+        given = dict(zip(names, values[:-1], strict=True))
         ops = Operands(
             given["a"], given["b"], given.get("bias"), given.get("offs"), o.alpha, o.beta
         )
