@@ -201,12 +201,12 @@ def _row_sums(
 ) -> _RowSums:
     """Row sums of ``alpha·a@b + beta·bias`` predicted from the operands, and those of ``out``.
 
-    Two passes over each of A, B and C (after one fp32 conversion of each half-precision
-    operand). The magnitude Σ_k |a_ik|·Σ_j|b_kj| is bounded by ‖a_i‖₂·√N·‖B‖_F (Cauchy-Schwarz
-    twice) and Σ_j|c_ij| by √N·‖c_i‖₂: both only scale fp32 roundoff terms, and 2-norms are
-    the fast reductions. ``fused`` predicts the row sums by a product and a sum over K, which a
-    compiler fuses with the norm of A's rows into one pass over A; eagerly a matrix-vector
-    product is faster.
+    Eagerly, two passes over each of A, B and C (after one fp32 conversion of each
+    half-precision operand); ``fused``, one over each. The magnitude Σ_k |a_ik|·Σ_j|b_kj| is
+    bounded by ‖a_i‖₂·√N·‖B‖_F (Cauchy-Schwarz twice) and Σ_j|c_ij| by √N·‖c_i‖₂: both only
+    scale fp32 roundoff terms, and 2-norms are the fast reductions. ``fused`` predicts the row
+    sums by a product and a sum over K, which a compiler fuses with the norm of A's rows into
+    one pass over A; eagerly a matrix-vector product is faster.
     """
     work = _work_dtype(out.dtype)
     k, n = a.shape[-1], b.shape[-1]
