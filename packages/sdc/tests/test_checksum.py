@@ -124,6 +124,10 @@ def test_bad_shapes_and_dtypes_are_named() -> None:
         check_matmul(a, torch.ones(5, 3, dtype=torch.int64), torch.randn(4, 3))
     with pytest.raises(ValueError, match="bias"):
         check_matmul(a, torch.randn(5, 3), torch.randn(4, 3), bias=torch.randn(7))
+    with pytest.raises(ValueError, match=r"^screen_matmul: a is"):
+        screen_matmul(a, b, torch.randn(4, 3))
+    with pytest.raises(ValueError, match=r"^screen_grouped_mm: without offs"):
+        screen_grouped_mm(a, b, torch.randn(4, 3))
 
 
 def test_grouped_mm_layouts_clean_and_corrupted() -> None:

@@ -304,6 +304,21 @@ def screen_matmul(
     (0-d, the work dtype): ``out`` passes where it is <= 1; anything else (NaN included) is for
     :func:`check_matmul` to judge and confirm. ``fused`` writes it for a compiler to fuse (one
     pass over each operand) rather than for eager execution."""
+    _validate(a, b, out, bias, "screen_matmul")
+    return matmul_screen(a, b, out, bias, alpha, beta, sigmas, fused)
+
+
+def matmul_screen(
+    a: Tensor,
+    b: Tensor,
+    out: Tensor,
+    bias: Tensor | None,
+    alpha: float,
+    beta: float,
+    sigmas: float,
+    fused: bool,
+) -> Tensor:
+    """:func:`screen_matmul` without validation, for operands a covered op was called with."""
     sums = _row_sums(a, b, out, bias, alpha, beta, fused)
     return _worst_ratio(sums, out.dtype, a.dtype, sigmas)
 
@@ -319,9 +334,24 @@ def screen_grouped_mm(
     fused: bool = False,
 ) -> Tensor:
     """:func:`screen_matmul` for ``torch._grouped_mm``, every group at once."""
+    _validate_grouped(a, b, offs, "screen_grouped_mm")
+    return grouped_mm_screen(a, b, out, offs, bias, sigmas, fused)
+
+
+def grouped_mm_screen(
+    a: Tensor,
+    b: Tensor,
+    out: Tensor,
+    offs: Tensor | None,
+    bias: Tensor | None,
+    sigmas: float,
+    fused: bool,
+) -> Tensor:
+    """:func:`screen_grouped_mm` without validation, for operands ``_grouped_mm`` was called
+    with."""
     if offs is None:
         bias = None if bias is None else bias.unsqueeze(-2)
-        return screen_matmul(a, b, out, bias=bias, sigmas=sigmas, fused=fused)
+        return matmul_screen(a, b, out, bias, 1.0, 1.0, sigmas, fused)
     sums, _ = _grouped_row_sums(a, b, out, offs, bias, fused)
     return _worst_ratio(sums, out.dtype, a.dtype, sigmas)
 
@@ -348,22 +378,24 @@ def _host_reference_disagrees(
         return bool((torch.nan_to_num(diff, nan=math.inf) > tol).any())
 
 
-def _validate(a: Tensor, b: Tensor, out: Tensor, bias: Tensor | None) -> None:
+def _validate(
+    a: Tensor, b: Tensor, out: Tensor, bias: Tensor | None, caller: str = "check_matmul"
+) -> None:
     for name, t in (("a", a), ("b", b), ("out", out)):
         if not t.is_floating_point():
-            raise TypeError(f"check_matmul: {name} must be a floating tensor, got {t.dtype}")
+            raise TypeError(f"{caller}: {name} must be a floating tensor, got {t.dtype}")
         if t.dim() < 1 + (name != "out"):
-            raise ValueError(f"check_matmul: {name} must be at least 2-D, got {tuple(t.shape)}")
+            raise ValueError(f"{caller}: {name} must be at least 2-D, got {tuple(t.shape)}")
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(
-            f"check_matmul: a is {tuple(a.shape)} and b is {tuple(b.shape)}: "
+            f"{caller}: a is {tuple(a.shape)} and b is {tuple(b.shape)}: "
             "the last dim of a must equal the second-to-last dim of b"
         )
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     expected = (*batch, a.shape[-2], b.shape[-1])
     if tuple(out.shape) != expected:
         raise ValueError(
-            f"check_matmul: out is {tuple(out.shape)}, expected {expected} for a "
+            f"{caller}: out is {tuple(out.shape)}, expected {expected} for a "
             f"{tuple(a.shape)} times b {tuple(b.shape)}"
         )
     if bias is not None:
@@ -371,7 +403,7 @@ def _validate(a: Tensor, b: Tensor, out: Tensor, bias: Tensor | None) -> None:
             torch.broadcast_shapes(bias.shape, out.shape)
         except RuntimeError as e:
             raise ValueError(
-                f"check_matmul: bias {tuple(bias.shape)} does not broadcast to out {expected}"
+                f"{caller}: bias {tuple(bias.shape)} does not broadcast to out {expected}"
             ) from e
 
 
@@ -489,9 +521,12 @@ def _grouped_row_sums(
         group = _group_of(offs, a.shape[0])
         pad = a_.new_zeros(1)  # rows of no group: zero sums and magnitude
         b_sum, b_fro = _sums_along_rows(b_, fused)
-        b_sum = torch.cat([b_sum, pad.expand(1, b.shape[1])])[group]  # (M, K)
+        if fused:  # a compiler gathers each row's group sums inside its one pass over A
+            expected = (a_ * torch.cat([b_sum, pad.expand(1, b.shape[1])])[group]).sum(-1)
+        else:  # eagerly that gather is an (M, K) fp32 temporary: rows against all groups' sums
+            per_group = torch.cat([a_ @ b_sum.t(), pad.expand(a.shape[0], 1)], 1)  # (M, G+1)
+            expected = per_group.gather(1, group.unsqueeze(1)).squeeze(1)
         b_fro = torch.cat([b_fro, pad])[group]
-        expected = (a_ * b_sum).sum(-1)
         mag = _norm(a_, -1) * b_fro * math.sqrt(b.shape[-1])
         if bias is not None:
             bias_ = bias.to(work)
@@ -530,15 +565,16 @@ def _grouped_row_sums(
     return _RowSums(expected, mag, c_sum, c_norm, a.shape[-1], n), c_sum.shape
 
 
-def _validate_grouped(a: Tensor, b: Tensor, offs: Tensor | None) -> None:
+def _validate_grouped(
+    a: Tensor, b: Tensor, offs: Tensor | None, caller: str = "check_grouped_mm"
+) -> None:
     if offs is None and (a.dim() != 3 or b.dim() != 3):
         raise ValueError(
-            f"check_grouped_mm: without offs a and b must be 3-D, got {tuple(a.shape)} "
-            f"and {tuple(b.shape)}"
+            f"{caller}: without offs a and b must be 3-D, got {tuple(a.shape)} and {tuple(b.shape)}"
         )
     if offs is not None and (a.dim(), b.dim()) not in ((2, 3), (2, 2), (3, 2)):
         raise ValueError(
-            f"check_grouped_mm: unsupported shapes {tuple(a.shape)} x {tuple(b.shape)} with offs"
+            f"{caller}: unsupported shapes {tuple(a.shape)} x {tuple(b.shape)} with offs"
         )
 
 

@@ -56,9 +56,9 @@ def compiled_stats() -> CheckStats:
     return _stats
 
 
-# Defined on a plain Library (not ``torch.library.custom_op``, whose wrapper costs ~10 µs a call,
-# once per matmul): the schema declares the screen mutated (it is not written) so that the
-# compiler keeps the op.
+# Both ops are defined on a plain Library (not ``torch.library.custom_op``, whose wrapper costs
+# ~10 µs a call, once per matmul). The check's schema declares the screen mutated (it is not
+# written) so that the compiler keeps the op; the hook mutates the product it corrupts.
 _LIB = torch.library.Library("ttnpu_sdc", "DEF")
 _LIB.define(
     "check_matmul(Tensor(a!) screened, Tensor out, Tensor a, Tensor b, Tensor? bias, "
@@ -98,13 +98,18 @@ def _(*args: Any) -> None:
     return None
 
 
-@torch.library.custom_op("ttnpu_sdc::inject", mutates_args=("out",))
+_LIB.define("inject(Tensor(a!) out, str op, str site) -> ()")
+
+
 def _inject_op(out: Tensor, op: str, site: str) -> None:
     compiled_fault(op, site.split(":", 1)[0], out)
 
 
-@_inject_op.register_fake
-def _(out: Tensor, op: str, site: str) -> None:
+_LIB.impl("inject", _inject_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ttnpu_sdc::inject", lib=_LIB)
+def _(*args: Any) -> None:
     return None
 
 
@@ -169,9 +174,11 @@ class ChecksumGraphPass(CustomGraphPass):
             self.inserted += 1
 
     def uuid(self) -> Any:
-        """Changes with this file and the options, so Inductor's FX cache never mixes graphs."""
+        """Changes with the sources of what the pass inserts and with the options, so Inductor's
+        FX cache never mixes graphs."""
         sources = b"".join(
-            Path(__file__).with_name(name).read_bytes() for name in ("compiled.py", "checksum.py")
+            Path(__file__).with_name(name).read_bytes()
+            for name in ("compiled.py", "sites.py", "checksum.py")  # what the screen traces
         )
         options = ",".join(sorted(str(d) for d in self.dtypes)) + f",{self.fault_injection}"
         return hashlib.sha256(sources + options.encode()).hexdigest()

@@ -16,8 +16,8 @@ from .checksum import (
     SIGMAS,
     check_grouped_mm,
     check_matmul,
-    screen_grouped_mm,
-    screen_matmul,
+    grouped_mm_screen,
+    matmul_screen,
 )
 from .events import Reporter
 
@@ -86,21 +86,11 @@ class CheckStats:
 def screen(
     op: str, ops: Operands, out: Tensor, sigmas: float = SIGMAS, fused: bool = False
 ) -> Tensor:
-    """The covered op's checksum screen (0-d): the result passes where it is <= 1."""
+    """The covered op's checksum screen (0-d): the result passes where it is <= 1. The operands
+    are those the op was called with, so they are not validated again here."""
     if op == "_grouped_mm":
-        return screen_grouped_mm(
-            ops.a, ops.b, out, offs=ops.offs, bias=ops.bias, sigmas=sigmas, fused=fused
-        )
-    return screen_matmul(
-        ops.a,
-        ops.b,
-        out,
-        bias=ops.bias,
-        alpha=ops.alpha,
-        beta=ops.beta,
-        sigmas=sigmas,
-        fused=fused,
-    )
+        return grouped_mm_screen(ops.a, ops.b, out, ops.offs, ops.bias, sigmas, fused)
+    return matmul_screen(ops.a, ops.b, out, ops.bias, ops.alpha, ops.beta, sigmas, fused)
 
 
 def check_and_report(
