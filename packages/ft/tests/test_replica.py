@@ -282,16 +282,16 @@ def test_two_replicas_veto_sum_moe_counters_and_average_the_loss(
     sizes: list[list[int]] = [[], []]
     dtypes: set[torch.dtype] = set()
     for r, seen in zip(replicas, sizes, strict=True):
-        allreduce = r.manager.allreduce
+        allreduce = r.pg.allreduce  # the Manager's all-reduces and the vote's
 
         def recording(
-            t: torch.Tensor, seen: list[int] = seen, f: Any = allreduce, **kw: Any
+            tensors: list[torch.Tensor], *args: Any, seen: list[int] = seen, f: Any = allreduce
         ) -> Any:
-            seen.append(t.numel())
-            dtypes.add(t.dtype)
-            return f(t, **kw)
+            seen.append(tensors[0].numel())
+            dtypes.add(tensors[0].dtype)
+            return f(tensors, *args)
 
-        r.manager.allreduce = recording  # type: ignore[method-assign]
+        r.pg.allreduce = recording  # type: ignore[method-assign]
     try:
 
         def train(r: Replica, seed: int, veto_at: int) -> list[Any]:

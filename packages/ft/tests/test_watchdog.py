@@ -19,12 +19,30 @@ def test_live_timer_fires_once_with_its_token() -> None:
 
 def test_disarmed_timer_never_fires() -> None:
     fired: list[WatchdogToken] = []
-    dog = CollectiveWatchdog(0.05, fired.append)
-    token = dog.arm("allreduce")
-    timer = dog._active[token]
-    dog.disarm(token)
-    timer.join(60)  # the timer thread has ended
-    assert not timer.is_alive() and fired == []
+    done = threading.Event()
+    dog = CollectiveWatchdog(0.05, lambda t: (fired.append(t), done.set()))
+    disarmed = dog.arm("allreduce")
+    dog.disarm(disarmed)
+    later = dog.arm("vote", timeout_s=0.2)  # due after the disarmed one: the thread passed it
+    assert done.wait(60)
+    assert fired == [later] and dog.stale_expiries == 0
+
+
+def test_one_thread_serves_timers_in_deadline_order_and_close_stops_it() -> None:
+    """An earlier deadline armed after a later one wakes the thread; ``close`` ends it."""
+    fired: list[str] = []
+    two = threading.Event()
+    dog = CollectiveWatchdog(30.0, lambda t: (fired.append(t.label), len(fired) == 2 and two.set()))
+    dog.arm("late", timeout_s=0.3)
+    dog.arm("early", timeout_s=0.05)
+    dog.arm("never")  # 30 s: still armed when the watchdog closes
+    assert two.wait(60)
+    assert fired == ["early", "late"]
+    thread = dog._thread
+    dog.close()
+    assert thread is not None and not thread.is_alive() and fired == ["early", "late"]
+    with pytest.raises(RuntimeError, match="after close"):
+        dog.arm("again")
 
 
 def test_timer_of_an_old_generation_cannot_stop_the_new_step() -> None:

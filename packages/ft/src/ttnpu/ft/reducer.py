@@ -1,14 +1,15 @@
 """Cross-replica gradient averaging in buckets that start while the backward is still running.
 
 A gradient-ready hook (``register_post_accumulate_grad_hook``) marks each parameter; when every
-parameter of a bucket is ready, the bucket's all-reduce starts through torchft's Manager, so a
-peer's death still fails the step there. Buckets start strictly in their fixed order (every
-replica issues the same collectives in the same order, whichever parameters it used), and the
-backward ends by waiting for all of them (an autograd-engine callback, as DDP's reducer does), so
-code after ``backward()`` sees averaged gradients. A gradient at least ``cap_bytes`` large is a
-bucket of its own and travels in place; smaller ones are copied once into a bucket buffer whose
-views then become their ``.grad`` (a gradient that already is that view is not copied again). A
-replica world of one member launches nothing and copies nothing.
+parameter of a bucket is ready, the bucket's all-reduce starts under the rules of torchft's Manager
+(:class:`~ttnpu.ft.managed.ManagedAllreduce`), so a peer's death still fails the step there.
+Buckets start strictly in their fixed order (every replica issues the same collectives in the same
+order, whichever parameters it used), and the backward ends by waiting for all of them (an
+autograd-engine callback, as DDP's reducer does), so code after ``backward()`` sees averaged
+gradients. A gradient at least ``cap_bytes`` large is a bucket of its own and travels in place;
+smaller ones are copied once into a bucket buffer whose views then become their ``.grad`` (a
+gradient that already is that view is not copied again). A replica world of one member launches
+nothing and copies nothing.
 
 The buckets are summed, then divided by the replicas that contributed. One more all-reduce
 sums flags: a 1 per contributing replica (torchft zeroes the tensors of a replica that trained
@@ -23,16 +24,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
-from torch.distributed import ReduceOp
+from torch.distributed import Work
 from torch.distributed.tensor import DTensor
-from torchft import Manager
+
+from ttnpu.ft.managed import ManagedAllreduce
 
 __all__ = ["GradientReducer", "ReductionCheck"]
-
-_SUM = ReduceOp.SUM
 
 
 class ReductionCheck(Protocol):
@@ -61,7 +61,7 @@ class _Bucket:
     ready: int = 0
     tensor: torch.Tensor | None = None  # what is being reduced this step
     checksums: torch.Tensor | None = None
-    works: list[Any] = field(default_factory=list)
+    works: list[Work | None] = field(default_factory=list)
 
     def view(self, i: int) -> torch.Tensor:
         assert self.buffer is not None
@@ -91,7 +91,7 @@ def _plan(params: list[torch.nn.Parameter], cap_bytes: int) -> list[_Bucket]:
 
 
 class GradientReducer:
-    """Averages the gradients of ``params`` across the replicas of ``manager`` (see the module).
+    """Averages the gradients of ``params`` across the replicas (see the module).
 
     ``begin_step()`` before the step's first backward; ``finish()`` after its last (a no-op when
     the backward's own callback already finished); backwards under ``no_sync()`` only accumulate.
@@ -104,7 +104,7 @@ class GradientReducer:
     def __init__(
         self,
         params: list[torch.nn.Parameter],
-        manager: Manager,
+        collectives: ManagedAllreduce,
         replica_world: Callable[[], int],
         *,
         cap_bytes: int,
@@ -115,12 +115,13 @@ class GradientReducer:
     ) -> None:
         if cap_bytes < 1:
             raise ValueError(f"GradientReducer: cap_bytes must be >= 1, got {cap_bytes}")
-        self.manager = manager
+        self.collectives = collectives
+        self.manager = collectives.manager
         self.replica_world = replica_world
         self.check = check
         self.on_corrupt = on_corrupt
         self.finish_guard = finish_guard
-        self.wait_quorum = wait_quorum or manager.wait_quorum
+        self.wait_quorum = wait_quorum or self.manager.wait_quorum
         self.params = params
         self.buckets = _plan(params, cap_bytes)
         self._index = {id(p): n for n, b in enumerate(self.buckets) for p in b.params}
@@ -198,8 +199,8 @@ class GradientReducer:
             tensor = self._gather(bucket)
             if self.check is not None:
                 bucket.checksums = self.check.before(tensor)
-                bucket.works.append(self.manager.allreduce(bucket.checksums, reduce_op=_SUM))
-            bucket.works.append(self.manager.allreduce(tensor, reduce_op=_SUM))
+                bucket.works.append(self.collectives.start(bucket.checksums))
+            bucket.works.append(self.collectives.start(tensor))
         bucket.tensor = tensor
 
     def _gather(self, bucket: _Bucket) -> torch.Tensor:
@@ -237,11 +238,11 @@ class GradientReducer:
             for bucket in self.buckets[self._launched :]:
                 self._launch(bucket)
             flags = self._flags()
-            work = self.manager.allreduce(flags, reduce_op=_SUM)
+            work = self.collectives.start(flags)
             for bucket in self.buckets:
                 for w in bucket.works:
-                    w.wait()
-            work.wait()
+                    self.collectives.wait(w)
+            self.collectives.wait(work)
             if self.manager.errored() is None:  # a failed all-reduce is discarded, not judged
                 self.contributors = max(1, int(flags[0]))
                 self._judge()

@@ -26,6 +26,7 @@ from torchft.checkpointing.transport import CheckpointTransport
 from ttnpu.ft.devices import DeviceAdapter, select_adapter
 from ttnpu.ft.fingerprint import SplitBrainCheck
 from ttnpu.ft.lighthouse import LighthouseUnreachable, check_lighthouse
+from ttnpu.ft.managed import ManagedAllreduce
 from ttnpu.ft.moe_balance import expert_counters, pack_counts, unpack_counts
 from ttnpu.ft.recovery import StaleProcessGroup, StepRecovery
 from ttnpu.ft.reducer import GradientReducer, ReductionCheck
@@ -229,11 +230,12 @@ class Replica:
             hostname=host,
             checkpoint_transport=checkpoint_transport or SocketTransport(config.timeout, host),
         )
-        self.veto = CommitVeto(self.manager, self.adapter.device)
+        collectives = ManagedAllreduce(self.manager, self.pg)
+        self.veto = CommitVeto(collectives, self.adapter.device)
         self._counters = expert_counters(model)  # MoE token counters, summed in the vote
         self.reducer = GradientReducer(
             [p for p in model.parameters() if p.requires_grad],
-            self.manager,
+            collectives,
             self.pg.size,
             cap_bytes=max(1, int(config.bucket_cap_mb * 2**20)),
             check=reduction_check,
@@ -563,13 +565,15 @@ class Replica:
             self.lr_scheduler.step()
 
     def close(self) -> None:
-        """Shut down the Manager (server, transport, executor), the process group and the store."""
+        """Shut down the Manager (server, transport, executor), the process group, the collective
+        watchdog and the store."""
         if self._closed:
             return
         self._closed = True
         self.reducer.close()
         self.manager.shutdown(wait=False)
         self.pg.shutdown()
+        self.recovery.watchdog.close()
         self._store = None
 
     def __enter__(self) -> Replica:

@@ -12,7 +12,9 @@ it, every replica learns so in the same vote and all stop after the same step.
 
 The vote may carry a payload that the step sums across replicas anyway (the loss to average, the
 MoE token counters): one small all-reduce a step instead of three, each a round trip on the
-critical path between the backward and the commit.
+critical path between the backward and the commit (:class:`~ttnpu.ft.managed.ManagedAllreduce`:
+torchft's rules without the managed work's wrapping, which cost as much as the all-reduce
+itself). A replica healing in the step sends its flags but no payload.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import threading
 from dataclasses import dataclass
 
 import torch
-from torch.distributed import ReduceOp
 from torchft import Manager
+
+from ttnpu.ft.managed import ManagedAllreduce
 
 __all__ = ["CommitVeto", "CommitVetoed", "Vote"]
 
@@ -48,8 +51,9 @@ class CommitVeto:
     all-reduce and before ``should_commit``.
     """
 
-    def __init__(self, manager: Manager, device: torch.device | str = "cpu") -> None:
-        self._manager = manager
+    def __init__(self, collectives: ManagedAllreduce, device: torch.device | str = "cpu") -> None:
+        self._collectives = collectives
+        self._manager: Manager = collectives.manager
         self._device = torch.device(device)
         self._lock = threading.Lock()
         self._reasons: list[str] = []
@@ -82,10 +86,22 @@ class CommitVeto:
         )
         if payload is not None:
             votes = torch.cat((votes, payload.detach().reshape(-1).to(votes)))
-        self._manager.allreduce(votes, reduce_op=ReduceOp.SUM).wait()
+        self._allreduce(votes)
         vetoed, stop = (bool(v > 0) for v in votes[:2].tolist())
         if vetoed:
             local = "; ".join(reasons) if reasons else "raised by another replica"
             self._manager.report_error(CommitVetoed(f"step vetoed: {local}"))
             self.vetoed_steps += 1
         return Vote(vetoed=vetoed, stop=stop, payload=votes[2:] if payload is not None else None)
+
+    def _allreduce(self, votes: torch.Tensor) -> None:
+        """SUM over the replicas in place; a failure leaves this replica's own values."""
+        if self._manager.errored() is not None:
+            return  # a failed collective already discards the step (and may have torn the group)
+        self._manager.wait_quorum()
+        if self._collectives.pg.size() == 1:
+            return
+        local = votes.clone()
+        # Healing, its output and counters are not the step's, its flags are.
+        if not self._collectives.wait(self._collectives.start(votes, healing_keeps=2)):
+            votes.copy_(local)  # not sent, or a peer died mid-vote: the step will not commit
