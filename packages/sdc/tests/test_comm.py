@@ -12,6 +12,7 @@ from ttnpu.sdc import (
     Reporter,
     VetoFlag,
     chunk_length,
+    comm,
     flip_bit,
 )
 
@@ -172,3 +173,23 @@ def test_a_reduction_run_elsewhere_is_verified_from_its_checksums(
     assert event.detail["first_bad_element"] <= 1234
     with pytest.raises(ValueError, match=r"world 5 must be in \[1, max_world = 4\]"):
         checks[0].after(result, reduced, world=5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_compiled_checksums_are_the_eager_ones_and_flag_the_same_flip(
+    dtype: torch.dtype,
+) -> None:
+    """One fused pass (Inductor) and the eager ops give the same sums and the same verdict."""
+    length = chunk_length(dtype, 2)
+    x = (torch.randn(20 * length + 5, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    eager = comm._eager_chunk_sums(x, length)
+    compiled = comm._compiled_chunk_sums(x, length, True)
+    assert compiled.shape == eager.shape == (2, 21)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-5)
+    coefficient = 2.0 * length * comm._U32 + 2 * comm.unit_roundoff(dtype)
+    args = (eager[0], eager[1], length, coefficient)
+    for suspect in (comm._eager_suspect, comm._compiled_suspect):
+        assert not bool(suspect(x, *args))
+        flipped = x.clone()
+        flip_bit(flipped, 7 * length + 3, 14 if dtype == torch.bfloat16 else 30)
+        assert bool(suspect(flipped, *args))

@@ -12,7 +12,8 @@ is that time divided by the one of its baseline (eager, or compiled without the 
 * ``compiled_checksums``: the Inductor pass with checks on; ``compiled_checks_off`` with the
   pass compiled in but switched off (the fused screen still runs, the verdict is not read);
 * ``gradient_detection``: :class:`GradientDetector` at every step (sampling interval 3);
-* ``comm_checks``: gradients all-reduced through :class:`CollectiveChecker` instead of plain
+* ``comm_checks``: the gradients, views of one flat bucket as under DDP's
+  ``gradient_as_bucket_view``, all-reduced through :class:`CollectiveChecker` instead of plain
   ``all_reduce`` on a one-rank gloo group (checksum work and the extra small collective);
 * ``escalation``: the trainer's default policy (``checksums = "escalate"``) on a clean run:
   gradient detection and the switch's step sampling at every step, measured, plus the sampled
@@ -125,6 +126,29 @@ def _stepper(
     return step
 
 
+def _gradient_bucket(model: nn.Module) -> Callable[[], torch.Tensor]:
+    """Every gradient as a view of one flat buffer, so a step all-reduces one bucket (DDP's
+    ``gradient_as_bucket_view``); the backward accumulates into the views in place and
+    ``zero_grad(set_to_none=False)`` keeps them. Returns the buffer, refusing a gradient that
+    left it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+    addresses: list[int | None] = []
+    offset = 0
+    for p in params:
+        grad = flat[offset : offset + p.numel()].view_as(p)
+        p.grad = grad
+        addresses.append(grad.data_ptr())
+        offset += p.numel()
+
+    def bucket() -> torch.Tensor:
+        if [None if p.grad is None else p.grad.data_ptr() for p in params] != addresses:
+            raise RuntimeError("bench: a gradient is no longer a view of its bucket")
+        return flat
+
+    return bucket
+
+
 @contextlib.contextmanager
 def _one_rank_group() -> Iterator[None]:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -181,20 +205,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _stepper(model, fn, tokens, after(model) if after else None)
 
     def plain_allreduce(model: nn.Module) -> Callable[[], None]:
+        bucket = _gradient_bucket(model)
+
         def reduce() -> None:
-            for p in model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
+            dist.all_reduce(bucket())
 
         return reduce
 
     def checked_allreduce(model: nn.Module) -> Callable[[], None]:
-        checker = CollectiveChecker(reporter=reporter)
+        checker, bucket = CollectiveChecker(reporter=reporter), _gradient_bucket(model)
 
         def reduce() -> None:
-            for p in model.parameters():
-                if p.grad is not None:
-                    checker.all_reduce(p.grad)
+            checker.all_reduce(bucket())
 
         return reduce
 

@@ -37,7 +37,7 @@ def chunk_length(dtype: torch.dtype, world_size: int) -> int:
     return max(1, min(_MAX_CHUNK, int(root)))
 
 
-def _chunk_sums(flat: Tensor, length: int, magnitudes: bool = True) -> Tensor:
+def _eager_chunk_sums(flat: Tensor, length: int, magnitudes: bool = True) -> Tensor:
     """Per-chunk sums of a 1-D tensor (the last chunk may be short), fp32: (2, chunks) with the
     sums of magnitudes as the second row, or (chunks,) without them (a result is judged by its
     sums alone). No padded copy; ``abs().sum()``, not ``vector_norm(1)``, which CPU kernels run
@@ -57,6 +57,39 @@ def _chunk_sums(flat: Tensor, length: int, magnitudes: bool = True) -> Tensor:
     return torch.stack([sums, mags])
 
 
+def _bad_chunks(got: Tensor, want: Tensor, magnitude: Tensor, coefficient: float) -> Tensor:
+    """The chunks whose sums differ from the expected ones by more than the bound; a chunk whose
+    expected sums are not finite is not judged, one whose result is NaN always fails."""
+    bound = coefficient * magnitude
+    judged = torch.isfinite(want) & torch.isfinite(magnitude)
+    diff = torch.nan_to_num((got - want).abs(), nan=math.inf)
+    return judged & (diff > bound)
+
+
+def _eager_suspect(
+    result: Tensor, want: Tensor, magnitude: Tensor, length: int, coefficient: float
+) -> Tensor:
+    """Whether any chunk of ``result`` fails (0-d bool): the check's whole clean path."""
+    got = _eager_chunk_sums(result, length, magnitudes=False)
+    return _bad_chunks(got, want, magnitude, coefficient).any()
+
+
+# Compiled, each is one pass over the data: the chunk sums (and magnitudes) read the bf16 buffer
+# once instead of converting it to fp32 and reading that copy two or three times (on a CPU: 0.45
+# instead of 1.6 ms for 3.9M bf16 elements; the result's check 0.3 instead of 1.3 ms). Where
+# Inductor does not generate code (an NPU) or under a dispatch mode (Dynamo then runs the function
+# as it is), the eager functions run: the same operations, the same figures.
+_compiled_chunk_sums = torch.compile(_eager_chunk_sums)
+_compiled_suspect = torch.compile(_eager_suspect)
+_INDUCTOR_DEVICES = ("cpu", "cuda")
+
+
+def _chunk_sums(flat: Tensor, length: int, magnitudes: bool = True) -> Tensor:
+    """:func:`_eager_chunk_sums`, compiled where Inductor generates code for the device."""
+    fn = _compiled_chunk_sums if flat.device.type in _INDUCTOR_DEVICES else _eager_chunk_sums
+    return fn(flat, length, magnitudes)
+
+
 def _verify_chunks(
     where: str,
     result: Tensor,
@@ -68,15 +101,19 @@ def _verify_chunks(
 ) -> bool:
     """Compare ``result``'s chunk sums with the reduced checksums ``expected`` (2, chunks); report
     a confirmed ``collective`` event naming the bad chunks when any is beyond the bound."""
-    got = _chunk_sums(result.reshape(-1), length, magnitudes=False)
+    flat = result.reshape(-1)
     want, magnitude = expected[0], expected[1]
     u = unit_roundoff(result.dtype)
-    bound = ((world - 1) * (u + _U32) + 2.0 * length * _U32) * magnitude * 1.01
-    judged = torch.isfinite(want) & torch.isfinite(magnitude)
-    diff = torch.nan_to_num((got - want).abs(), nan=math.inf)
-    bad = judged & (diff > bound)
-    if not bool(bad.any()):
+    coefficient = ((world - 1) * (u + _U32) + 2.0 * length * _U32) * 1.01
+    suspect = _compiled_suspect if flat.device.type in _INDUCTOR_DEVICES else _eager_suspect
+    if not bool(suspect(flat, want, magnitude, length, coefficient)):
         return True
+    got = _eager_chunk_sums(flat, length, magnitudes=False)
+    bad = _bad_chunks(got, want, magnitude, coefficient)
+    if not bool(bad.any()):  # compiled sums add in another order: a chunk right at the bound
+        return True
+    bound = coefficient * magnitude
+    diff = torch.nan_to_num((got - want).abs(), nan=math.inf)
     ratio = torch.where(bound > 0, diff / bound, torch.full_like(diff, math.inf))[bad]
     chunks = bad.nonzero().flatten().tolist()
     reporter.report(
