@@ -97,8 +97,9 @@ class GradientReducer:
     the backward's own callback already finished); backwards under ``no_sync()`` only accumulate.
     ``wait_quorum`` runs once a step before the first collective (the Manager's by default; a
     replica's also checks the quorum there, which may still be computing while the forward runs);
-    ``finish_guard`` wraps the waits (the replica's collective watchdog); ``on_corrupt`` is told
-    when ``check`` rejects a bucket.
+    ``wait_guard`` wraps the waits for the collectives (the replica's collective watchdog; the
+    check's arithmetic is not a collective and runs outside it); ``on_corrupt`` is told when
+    ``check`` rejects a bucket.
     """
 
     def __init__(
@@ -110,7 +111,7 @@ class GradientReducer:
         cap_bytes: int,
         check: ReductionCheck | None = None,
         on_corrupt: Callable[[str], None] = lambda reason: None,
-        finish_guard: Callable[[Callable[[], None]], None] = lambda fn: fn(),
+        wait_guard: Callable[[Callable[[], None]], None] = lambda fn: fn(),
         wait_quorum: Callable[[], None] | None = None,
     ) -> None:
         if cap_bytes < 1:
@@ -120,7 +121,7 @@ class GradientReducer:
         self.replica_world = replica_world
         self.check = check
         self.on_corrupt = on_corrupt
-        self.finish_guard = finish_guard
+        self.wait_guard = wait_guard
         self.wait_quorum = wait_quorum or self.manager.wait_quorum
         self.params = params
         self.buckets = _plan(params, cap_bytes)
@@ -181,7 +182,7 @@ class GradientReducer:
             )
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_in_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         if self._solo():
             return
         self.buckets[index].ready += 1
@@ -189,9 +190,6 @@ class GradientReducer:
             self.buckets[self._launched].ready == len(self.buckets[self._launched].params)
         ):
             self._launch(self.buckets[self._launched])
-
-    def _finish_in_backward(self) -> None:
-        self.finish_guard(self.finish)
 
     def _launch(self, bucket: _Bucket) -> None:
         self._launched += 1
@@ -238,16 +236,18 @@ class GradientReducer:
             for bucket in self.buckets[self._launched :]:
                 self._launch(bucket)
             flags = self._flags()
-            work = self.collectives.start(flags)
-            for bucket in self.buckets:
-                for w in bucket.works:
-                    self.collectives.wait(w)
-            self.collectives.wait(work)
+            works = [w for bucket in self.buckets for w in bucket.works]
+            works.append(self.collectives.start(flags))
+            self.wait_guard(lambda: self._wait(works))
             if self.manager.errored() is None:  # a failed all-reduce is discarded, not judged
                 self.contributors = max(1, int(flags[0]))
                 self._judge()
                 self._drop_unproduced(flags[1:])
         self.finish_s = time.perf_counter() - t0
+
+    def _wait(self, works: list[Work | None]) -> None:
+        for work in works:
+            self.collectives.wait(work)
 
     def _flags(self) -> torch.Tensor:
         had = [1.0] + [float(id(p) in self._had_grad) for p in self.params]

@@ -240,7 +240,7 @@ class Replica:
             cap_bytes=max(1, int(config.bucket_cap_mb * 2**20)),
             check=reduction_check,
             on_corrupt=self.veto.raise_flag,
-            finish_guard=lambda finish: self.recovery.guard("allreduce_gradients", finish),
+            wait_guard=lambda wait: self.recovery.guard("allreduce_gradients", wait),
             wait_quorum=self._quorum_ready,
         )
         if not hasattr(self.manager, "_use_async_quorum"):  # set per step: must not go silent
@@ -450,7 +450,7 @@ class Replica:
                     output = fn()
                 else:
                     output = self.recovery.guard("forward_backward", fn, step_timeout)
-                self.recovery.guard("allreduce_gradients", self.allreduce_gradients)
+                self.allreduce_gradients()  # its waits run under the collective watchdog
             finally:
                 self.reducer.end_step()
             t2 = time.perf_counter()

@@ -90,7 +90,8 @@ class CommitVeto:
         vetoed, stop = (bool(v > 0) for v in votes[:2].tolist())
         if vetoed:
             local = "; ".join(reasons) if reasons else "raised by another replica"
-            self._manager.report_error(CommitVetoed(f"step vetoed: {local}"))
+            if self._manager.errored() is None:  # a failed collective keeps its own report
+                self._manager.report_error(CommitVetoed(f"step vetoed: {local}"))
             self.vetoed_steps += 1
         return Vote(vetoed=vetoed, stop=stop, payload=votes[2:] if payload is not None else None)
 
