@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -183,13 +184,32 @@ def test_the_compiled_checksums_are_the_eager_ones_and_flag_the_same_flip(
     length = chunk_length(dtype, 2)
     x = (torch.randn(20 * length + 5, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     eager = comm._eager_chunk_sums(x, length)
-    compiled = comm._compiled_chunk_sums(x, length, True)
+    compiled = comm._chunk_sums.compiled(x, length, True)
     assert compiled.shape == eager.shape == (2, 21)
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-5)
     coefficient = 2.0 * length * comm._U32 + 2 * comm.unit_roundoff(dtype)
     args = (eager[0], eager[1], length, coefficient)
-    for suspect in (comm._eager_suspect, comm._compiled_suspect):
+    for suspect in (comm._suspect.eager, comm._suspect.compiled):
         assert not bool(suspect(x, *args))
         flipped = x.clone()
         flip_bit(flipped, 7 * length + 3, 14 if dtype == torch.bfloat16 else 30)
         assert bool(suspect(flipped, *args))
+
+
+def test_checksums_run_eagerly_once_compiling_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU host without a C++ compiler: one warning, then the same checksums, eagerly."""
+    fused = comm._Fused(comm._eager_chunk_sums)
+
+    def no_compiler(*args: object) -> torch.Tensor:
+        error = RuntimeError("no working C++ compiler found")
+        raise torch._dynamo.exc.BackendCompilerFailed(None, error, None)
+
+    monkeypatch.setattr(fused, "compiled", no_compiler)
+    x = torch.randn(1000)
+    with pytest.warns(UserWarning, match="run eagerly, compiling them failed: no working C"):
+        first = fused(x, 127, True)
+    assert fused.failed and torch.equal(first, comm._eager_chunk_sums(x, 127))
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        assert torch.equal(fused(x, 127, True), first)
+    assert later == []  # warned once
