@@ -86,10 +86,11 @@ def _worker(rank: int, world: int, port: int, out: Path) -> None:
     out.write_text(
         json.dumps({"losses": losses, "biases": biases, "experts": experts, "dense": full})
     )
-    # Tear down together: a rank that destroys its group while the other still holds gloo
-    # connections can abort the other at exit (once seen in CI: SIGABRT after both had written).
+    # Both have written: leave together, without the teardown, where a gloo thread still
+    # joinable at exit aborts a rank now and then (SIGABRT, or SIGSEGV and a reset peer, after
+    # both had written; seen in CI even after a barrier before destroy_process_group).
     dist.barrier()
-    dist.destroy_process_group()
+    os._exit(0)
 
 
 def _free_port() -> int:
