@@ -104,6 +104,22 @@ class StepRecovery:
             raise CollectiveTimeout(f"{self._stopped.label} timed out; the step was stopped")
         return result
 
+    def wait_collectives(self, label: str, wait: Callable[[], None]) -> None:
+        """Wait for collectives, then for the device, under one timer.
+
+        On NCCL and HCCL a work's ``wait()`` only makes the compute stream wait: the host would
+        first block on the data later, in whatever reads it (the reduction check), outside any
+        timer, and a hung collective would be left to the backend's own, longer watchdog. The
+        device synchronisation (a no-op on CPU, where gloo's ``wait()`` blocks) makes it this
+        timer's to stop.
+        """
+
+        def waited() -> None:
+            wait()
+            self.adapter.synchronize()
+
+        self.guard(label, waited)
+
     @property
     def stopped(self) -> bool:
         """Whether the watchdog stopped this step's device work."""

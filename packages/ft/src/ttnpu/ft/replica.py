@@ -240,7 +240,7 @@ class Replica:
             cap_bytes=max(1, int(config.bucket_cap_mb * 2**20)),
             check=reduction_check,
             on_corrupt=self.veto.raise_flag,
-            wait_guard=lambda wait: self.recovery.guard("allreduce_gradients", wait),
+            wait_guard=lambda wait: self.recovery.wait_collectives("allreduce_gradients", wait),
             wait_quorum=self._quorum_ready,
         )
         if not hasattr(self.manager, "_use_async_quorum"):  # set per step: must not go silent
