@@ -44,6 +44,7 @@ def make_replica(
     address: str,
     make_model: Any,
     reduction_check: ReductionCheck | None = None,
+    adapter: CpuAdapter | None = None,
     **kw: Any,
 ) -> Replica:
     model = make_model(0)
@@ -53,9 +54,8 @@ def make_replica(
         "quorum_timeout": timedelta(seconds=10),
     }
     config = ReplicaConfig(replica_id=replica_id, lighthouse=address, device="cpu", **timeouts | kw)
-    return Replica(
-        config, model, torch.optim.SGD(model.parameters(), lr=0.1), reduction_check=reduction_check
-    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return Replica(config, model, opt, reduction_check=reduction_check, adapter=adapter)
 
 
 class SumCheck:
@@ -102,6 +102,63 @@ def test_a_corrupted_gradient_all_reduce_vetoes_the_step_on_every_replica(
             replicas[0].model.parameters(), replicas[1].model.parameters(), strict=True
         ):
             assert torch.equal(a, b)
+    finally:
+        for r in replicas:
+            r.close()
+
+
+class TimedSynchronize(CpuAdapter):
+    """A CPU adapter that records which watchdog timers are armed at each device
+    synchronisation (on NCCL/HCCL the host waits for a collective's data there)."""
+
+    def __init__(self) -> None:
+        self.armed: list[str] = []
+        self.seen: list[tuple[str, ...]] = []
+
+    def watch(self, replica: Replica) -> None:
+        watchdog = replica.recovery.watchdog
+        arm, disarm = watchdog.arm, watchdog.disarm
+
+        def arming(label: str, timeout_s: float | None = None) -> Any:
+            self.armed.append(label)
+            return arm(label, timeout_s)
+
+        def disarming(token: Any) -> None:
+            self.armed.remove(token.label)
+            disarm(token)
+
+        watchdog.arm, watchdog.disarm = arming, disarming  # type: ignore[method-assign]
+
+    def synchronize(self) -> None:
+        self.seen.append(tuple(self.armed))
+
+
+def test_the_gradient_all_reduce_is_waited_for_on_the_device_under_the_watchdog(
+    lighthouse: EmbeddedLighthouse, make_model: Any
+) -> None:
+    adapters = [TimedSynchronize(), TimedSynchronize()]
+    replicas = in_parallel(
+        [
+            lambda i=i: make_replica(i, lighthouse.address, make_model, adapter=adapters[i])
+            for i in range(2)
+        ]
+    )
+    try:
+        for r, adapter in zip(replicas, adapters, strict=True):
+            adapter.watch(r)
+
+        def train(r: Replica) -> list[bool]:
+            gen = torch.Generator().manual_seed(r.config.replica_id)
+
+            def step() -> None:
+                r.model(torch.randn(4, 8, generator=gen)).sum().backward()
+
+            return [r.run_step(step).committed for _ in range(2)]
+
+        assert in_parallel([lambda r=r: train(r) for r in replicas]) == [[True, True]] * 2
+        for adapter in adapters:  # one per step (the optimizer update's comes after it)
+            waits = [armed for armed in adapter.seen if armed]
+            assert waits == [("allreduce_gradients",)] * 2, adapter.seen
     finally:
         for r in replicas:
             r.close()
