@@ -105,6 +105,15 @@ class FakeTorchNpu:
             def synchronize() -> None:
                 rec("synchronize")
 
+            class _Stream:
+                @staticmethod
+                def synchronize() -> None:
+                    rec("stream_synchronize")
+
+            @staticmethod
+            def current_stream() -> Any:
+                return npu._Stream
+
             @staticmethod
             def empty_cache() -> None:
                 rec("empty_cache")

@@ -125,13 +125,13 @@ def test_npu_recovery_sequence_after_a_collective_timeout(
 def test_a_collective_that_hangs_on_the_device_is_stopped_by_the_watchdog(
     fake_npu: Any, store: TCPStore, model: torch.nn.Module, monkeypatch: Any
 ) -> None:
-    # HCCL's work.wait() returns once the stream waits: the hang shows in the device
+    # HCCL's work.wait() returns once the stream waits: the hang shows in the stream's
     # synchronisation, which blocks until the watchdog's stop_device fails the queued work.
     recovery, _ = setup_recovery(fake_npu, store, model)
     stopped = threading.Event()
     stop = fake_npu.npu.stop_device
     monkeypatch.setattr(fake_npu.npu, "stop_device", lambda i: (stopped.set(), stop(i))[1])
-    monkeypatch.setattr(fake_npu.npu, "synchronize", lambda: stopped.wait(60))
+    monkeypatch.setattr(fake_npu.npu._Stream, "synchronize", lambda: stopped.wait(60))
     waited = []
     recovery.begin_step()
     with pytest.raises(CollectiveTimeout, match="allreduce_gradients timed out"):

@@ -30,6 +30,8 @@ class DeviceAdapter(Protocol):
 
     def synchronize(self) -> None: ...
 
+    def synchronize_stream(self) -> None: ...
+
     def stop_device(self) -> None: ...
 
     def abort_communicators(self, pg: ProcessGroup) -> None: ...
@@ -52,6 +54,9 @@ class CpuAdapter:
         return ProcessGroupGloo(timeout=timeout)
 
     def synchronize(self) -> None:
+        pass
+
+    def synchronize_stream(self) -> None:
         pass
 
     def stop_device(self) -> None:
@@ -81,6 +86,9 @@ class CudaAdapter:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def synchronize_stream(self) -> None:
+        torch.cuda.current_stream().synchronize()
 
     def stop_device(self) -> None:
         pass
@@ -115,6 +123,9 @@ class NpuAdapter:
 
     def synchronize(self) -> None:
         self.runtime.synchronize()
+
+    def synchronize_stream(self) -> None:
+        self.runtime.synchronize_stream()
 
     def stop_device(self) -> None:
         self.runtime.stop_device(self.runtime.current_device())

@@ -100,6 +100,10 @@ class NpuRuntime:
     def synchronize(self) -> None:
         self.torch_npu.npu.synchronize()
 
+    def synchronize_stream(self) -> None:
+        """Wait for the current stream only (not, say, a checkpoint's staging copies)."""
+        self.torch_npu.npu.current_stream().synchronize()
+
     def empty_cache(self) -> None:
         self.torch_npu.npu.empty_cache()
 

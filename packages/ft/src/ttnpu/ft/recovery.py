@@ -105,18 +105,18 @@ class StepRecovery:
         return result
 
     def wait_collectives(self, label: str, wait: Callable[[], None]) -> None:
-        """Wait for collectives, then for the device, under one timer.
+        """Wait for collectives, then for the current stream, under one timer.
 
-        On NCCL and HCCL a work's ``wait()`` only makes the compute stream wait: the host would
+        On NCCL and HCCL a work's ``wait()`` only makes the current stream wait: the host would
         first block on the data later, in whatever reads it (the reduction check), outside any
         timer, and a hung collective would be left to the backend's own, longer watchdog. The
-        device synchronisation (a no-op on CPU, where gloo's ``wait()`` blocks) makes it this
-        timer's to stop.
+        stream synchronisation (a no-op on CPU, where gloo's ``wait()`` blocks) makes it this
+        timer's to stop; other streams (a checkpoint's staging copies) are not waited for.
         """
 
         def waited() -> None:
             wait()
-            self.adapter.synchronize()
+            self.adapter.synchronize_stream()
 
         self.guard(label, waited)
 
