@@ -197,6 +197,46 @@ def test_a_stop_requested_by_one_replica_is_agreed_by_every_replica_in_the_vote(
             r.close()
 
 
+def test_a_flag_raised_after_the_exchange_without_a_second_vote_discards_that_replica_alone(
+    lighthouse: EmbeddedLighthouse, make_model: Any
+) -> None:
+    """No second vote is held (no late_flags, no output averaged, no reduction check): replica 1's
+    flag after its backward reaches nobody else. Replica 0 commits, replica 1 discards, heals from
+    replica 0 in the next quorum, and both then hold the same weights; with ``late_flags=True``
+    the same flag vetoes the step on both."""
+    replicas = in_parallel(
+        [lambda i=i: make_replica(i, lighthouse.address, make_model) for i in range(2)]
+    )
+    try:
+        heals: list[list[int]] = [[], []]
+
+        def train(r: Replica) -> list[tuple[bool, bool]]:
+            gen = torch.Generator().manual_seed(r.config.replica_id)
+            results = []
+            for step in range(1, 5):
+
+                def fn(step: int = step) -> None:
+                    r.model(torch.randn(4, 8, generator=gen)).sum().backward()
+                    if step in (2, 4) and r.config.replica_id == 1:
+                        r.veto.raise_flag("a check of the averaged gradients fired")
+
+                res = r.run_step(fn, late_flags=step == 4)
+                results.append((res.committed, res.vetoed))
+                heals[r.config.replica_id].append(r.heals)
+            return results
+
+        first, second = in_parallel([lambda r=r: train(r) for r in replicas])
+        assert first == [(True, False), (True, False), (False, False), (False, True)]
+        # step 3 is discarded by both: replica 1 healed in its quorum (StepResult.healing)
+        assert second == [(True, False), (False, True), (False, False), (False, True)]
+        assert heals[0][-1] == heals[0][0] and heals[1][2] == heals[1][1] + 1, heals
+        weights = [list(r.model.parameters()) for r in replicas]
+        assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+    finally:
+        for r in replicas:
+            r.close()
+
+
 def test_a_lighthouse_restarted_on_its_address_is_rejoined_and_one_kept_down_is_named(
     make_model: Any,
 ) -> None:
@@ -307,9 +347,9 @@ def test_an_adaptive_collective_timeout_lets_a_late_peer_commit(
             late = r.config.replica_id == 1
 
             def step(delay: float) -> bool:
-                def fn() -> None:
-                    r.model(torch.randn(4, 8, generator=gen)).sum().backward()
+                def fn() -> None:  # late before the backward: the gradient exchange waits
                     time.sleep(delay)
+                    r.model(torch.randn(4, 8, generator=gen)).sum().backward()
 
                 return r.run_step(fn).committed
 
@@ -389,14 +429,15 @@ def test_two_replicas_veto_sum_moe_counters_and_average_the_loss(
         # the averaged output is the same on both replicas: the mean of the two local values
         for a, b in zip(out[0], out[1], strict=True):
             assert torch.equal(a[0].output, b[0].output)
-        # after each step's gradient flags, one all-reduce: veto, stop, loss and the counters
+        # each step's gradient flags carry the first vote (veto, stop, second vote wanted, the
+        # counters); then one all-reduce: the late flags and the loss (veto, stop, loss)
         counts = sum(
             m.tokens_per_expert.numel() for m in (replicas[0].model[1], replicas[0].model[2])
         )
-        flags = 1 + len(list(replicas[0].model.parameters()))
+        flags = 3 + counts + 1 + len(list(replicas[0].model.parameters()))
         for seen in sizes:
-            assert [seen[i + 1] for i, n in enumerate(seen) if n == flags] == [3 + counts] * 3
-            assert seen[-1] == 3 + counts
+            assert [seen[i + 1] for i, n in enumerate(seen) if n == flags] == [3] * 3
+            assert seen[-1] == 3
         assert torch.float64 not in dtypes, "HCCL reduces no float64 on Atlas A2/A3"
         for a, b in zip(
             replicas[0].model.parameters(), replicas[1].model.parameters(), strict=True
@@ -580,7 +621,9 @@ def test_a_peer_lost_during_the_veto_vote_is_recovered(
                 raise RuntimeError("Connection closed by peer")
 
             monkeypatch.setattr(replica.veto, "vote", peer_lost)
-            result = replica.run_step(lambda: replica.model(torch.randn(2, 8)).sum().backward())
+            result = replica.run_step(
+                lambda: replica.model(torch.randn(2, 8)).sum().backward(), late_flags=True
+            )
             assert result.recovered and not result.committed and result.step == 0
             assert all(p.grad is None for p in replica.model.parameters())
         finally:

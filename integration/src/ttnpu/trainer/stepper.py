@@ -182,7 +182,11 @@ class ReplicaStepper:
             stop = flag.item() > 0
         if stop:
             self.replica.veto.request_stop()
-        result = self.replica.run_step(fn, average_output=True, before_update=before_update)
+        # The SDC guard judges the averaged gradients and the loss after the backward: its flags
+        # come after the exchange, in the second vote (which also averages the loss).
+        result = self.replica.run_step(
+            fn, average_output=True, late_flags=True, before_update=before_update
+        )
         return StepOutcome(
             committed=result.committed,
             loss=result.output,

@@ -12,10 +12,11 @@ gradient that already is that view is not copied again). A replica world of one 
 nothing and copies nothing.
 
 The buckets are summed, then divided by the replicas that contributed. One more all-reduce
-sums flags: a 1 per contributing replica (torchft zeroes the tensors of a replica that trained
-on stale weights, one healing under an asynchronous quorum, yet its own average counts it) and,
-per parameter, whether it had a gradient: a parameter no replica produced a gradient for gets
-``grad = None`` back, so the optimizer leaves it alone.
+sums flags: a caller's ballot first (the replica's veto vote, see :mod:`ttnpu.ft.veto`, which so
+costs no round trip of its own), a 1 per contributing replica (torchft zeroes the tensors of a
+replica that trained on stale weights, one healing under an asynchronous quorum, yet its own
+average counts it) and, per parameter, whether it had a gradient: a parameter no replica produced
+a gradient for gets ``grad = None`` back, so the optimizer leaves it alone.
 """
 
 from __future__ import annotations
@@ -99,7 +100,10 @@ class GradientReducer:
     replica's also checks the quorum there, which may still be computing while the forward runs);
     ``wait_guard`` wraps the waits for the collectives (the replica's collective watchdog; the
     check's arithmetic is not a collective and runs outside it); ``on_corrupt`` is told when
-    ``check`` rejects a bucket.
+    ``check`` rejects a bucket. ``ballot`` is cast once a step, when the backward ends: a float32
+    tensor summed ahead of the flags, of which a healing replica still sends the first
+    ``ballot_keeps`` elements; its sum is ``ballot_sums`` after ``finish()`` (the ballot itself
+    when nothing was sent: alone, or the all-reduce failed).
     """
 
     def __init__(
@@ -113,6 +117,8 @@ class GradientReducer:
         on_corrupt: Callable[[str], None] = lambda reason: None,
         wait_guard: Callable[[Callable[[], None]], None] = lambda fn: fn(),
         wait_quorum: Callable[[], None] | None = None,
+        ballot: Callable[[], torch.Tensor] | None = None,
+        ballot_keeps: int = 0,
     ) -> None:
         if cap_bytes < 1:
             raise ValueError(f"GradientReducer: cap_bytes must be >= 1, got {cap_bytes}")
@@ -123,6 +129,8 @@ class GradientReducer:
         self.on_corrupt = on_corrupt
         self.wait_guard = wait_guard
         self.wait_quorum = wait_quorum or self.manager.wait_quorum
+        self.ballot, self.ballot_keeps = ballot, ballot_keeps
+        self.ballot_sums: torch.Tensor | None = None  # the last step's ballot, summed
         self.params = params
         self.buckets = _plan(params, cap_bytes)
         self._index = {id(p): n for n, b in enumerate(self.buckets) for p in b.params}
@@ -140,6 +148,7 @@ class GradientReducer:
         self._active = True
         self.finish_s = 0.0
         self.contributors = 1
+        self.ballot_sums = None
 
     def end_step(self) -> None:
         """Stop reducing and forget the step (its gradients were consumed or cleaned); a
@@ -226,32 +235,41 @@ class GradientReducer:
         return bucket.buffer
 
     def finish(self) -> None:
-        """Launch what the hooks did not, wait, check, copy DTensor shards back, drop the
-        gradients no replica produced."""
+        """Launch what the hooks did not, cast the ballot, wait, check, copy DTensor shards
+        back, drop the gradients no replica produced."""
         if self._finished:
             return
         self._finished = True
         t0 = time.perf_counter()
+        ballot = self.ballot() if self.ballot is not None else None
+        self.ballot_sums = ballot
         if not self._solo():  # alone, every gradient already is the average
             for bucket in self.buckets[self._launched :]:
                 self._launch(bucket)
-            flags = self._flags()
+            flags = self._flags(ballot)
             works = [w for bucket in self.buckets for w in bucket.works]
-            works.append(self.collectives.start(flags))
+            works.append(self.collectives.start(flags, healing_keeps=self.ballot_keeps))
             self.wait_guard(lambda: self._wait(works))
             if self.manager.errored() is None:  # a failed all-reduce is discarded, not judged
-                self.contributors = max(1, int(flags[0]))
+                cast = 0 if ballot is None else ballot.numel()
+                self.ballot_sums = flags[:cast] if ballot is not None else None
+                self.contributors = max(1, int(flags[cast]))
                 self._judge()
-                self._drop_unproduced(flags[1:])
+                self._drop_unproduced(flags[cast + 1 :])
         self.finish_s = time.perf_counter() - t0
 
     def _wait(self, works: list[Work | None]) -> None:
         for work in works:
             self.collectives.wait(work)
 
-    def _flags(self) -> torch.Tensor:
+    def _flags(self, ballot: torch.Tensor | None) -> torch.Tensor:
         had = [1.0] + [float(id(p) in self._had_grad) for p in self.params]
-        return torch.tensor(had, device=self.buckets[0].device if self.buckets else None)
+        device = self.buckets[0].device if self.buckets else None
+        flags = torch.tensor(had, device=device)
+        if ballot is None:
+            return flags
+        # the ballot stays the caller's own: summed in this copy, which a failure may tear
+        return torch.cat((ballot.to(flags), flags))
 
     def _judge(self) -> None:
         """Check every bucket's sum, then turn it into the contributors' average."""

@@ -32,7 +32,7 @@ from ttnpu.ft.recovery import StaleProcessGroup, StepRecovery
 from ttnpu.ft.reducer import GradientReducer, ReductionCheck
 from ttnpu.ft.snapshot import ReplicaState, Stateful
 from ttnpu.ft.transport import SocketTransport
-from ttnpu.ft.veto import CommitVeto, Vote
+from ttnpu.ft.veto import CommitVeto, CommitVetoed, Vote
 
 __all__ = ["LRScheduler", "ReductionCheck", "Replica", "ReplicaConfig", "StepResult"]
 
@@ -157,11 +157,14 @@ class Replica:
     ``run_step(fn)``: quorum started -> ``fn()`` (forward/backward; gradients are averaged
     across replicas in buckets during the backward; before the first bucket the quorum is
     awaited and checked: process group, weights fingerprint when the membership changed with
-    ``SplitBrainError`` on a minority, see :mod:`ttnpu.ft.fingerprint`) -> veto vote, one
-    all-reduce that also agrees a requested stop (``StepResult.stop``), sums the MoE token
-    counters and averages the output -> ``should_commit`` -> optimizer and LR scheduler step
-    under the recovery lock. The quorum is asynchronous (computed while the forward runs) after a
-    committed step, synchronous otherwise (a heal due to this replica lands before its forward);
+    ``SplitBrainError`` on a minority, see :mod:`ttnpu.ft.fingerprint`; when the backward ends,
+    the veto vote rides in the gradient flags' all-reduce: the flags raised so far, a requested
+    stop (``StepResult.stop``) and the MoE token counters, summed) -> a second vote, one small
+    all-reduce, only where a flag can come after the exchange (a ``reduction_check``,
+    ``late_flags``) or the output is averaged -> ``should_commit`` -> optimizer and LR scheduler
+    step under the recovery lock. The quorum is asynchronous (computed while the forward runs)
+    after a committed step, synchronous otherwise (a heal due to this replica lands before its
+    forward);
     a quorum holding a replica behind the others discards the step everywhere
     (``StepResult.healing``). A discarded step cleans the training site and the LR scheduler does
     not move; whether its data is retried or skipped is the caller's choice.
@@ -242,6 +245,8 @@ class Replica:
             on_corrupt=self.veto.raise_flag,
             wait_guard=lambda wait: self.recovery.wait_collectives("allreduce_gradients", wait),
             wait_quorum=self._quorum_ready,
+            ballot=self._cast_ballot,
+            ballot_keeps=3,  # a healing replica's flags count, its counters do not
         )
         if not hasattr(self.manager, "_use_async_quorum"):  # set per step: must not go silent
             raise RuntimeError(
@@ -255,6 +260,8 @@ class Replica:
         self._quorum_checked = False  # this step's quorum awaited and checked
         self._heal_in_quorum = False  # this step's quorum held a replica behind the others
         self._timings: dict[str, float] = {}
+        self._late_vote = False  # this step wants a second vote after fn (see run_step)
+        self._late_warned = False
         group_store = None
         if config.group_world_size > 1:
             group_store = TCPStore(
@@ -357,34 +364,62 @@ class Replica:
         self.manager.load_state_dict({"step": step, "batches_committed": step})
         self._sync_quorum = True  # a heal may be due: the next quorum lands it before the forward
 
-    def _payload(self, output: Any, average: bool) -> torch.Tensor | None:
-        """What the vote sums besides its flags: the output to average, then the counters."""
-        parts = []
+    def _cast_ballot(self) -> torch.Tensor:
+        """The step's first ballot, cast when the backward ends: the flags, then whether this
+        replica wants a second vote, then the MoE counters (their sums replace them)."""
+        parts = [torch.ones(1) if self._late_vote else torch.zeros(1)]
+        if self._counters:
+            parts.append(pack_counts(self._counters))
+        return self.veto.ballot(torch.cat([p.to(self.adapter.device) for p in parts]))
+
+    def _first_vote(self) -> tuple[Vote, bool]:
+        """The decision of the ballot cast in the gradient flags' all-reduce, and whether any
+        replica asked for a second vote; the counters become their sums over the replicas."""
+        sums = self.reducer.ballot_sums
+        assert sums is not None, "the reducer casts a ballot every step"
+        vote = self.veto.count(sums)
+        assert vote.payload is not None
+        if self._counters:
+            unpack_counts(self._counters, vote.payload[1:])
+        return vote, bool(vote.payload[0] > 0)
+
+    def _second_vote(self, output: Any, average: bool) -> tuple[Vote, Any]:
+        """The flags raised after the exchange, and the output summed: with ``average`` the
+        output comes back as its mean over the participants, float32 on its own device."""
+        payload = None
         if average:
             if not isinstance(output, torch.Tensor):
                 raise TypeError(
                     f"run_step(average_output=True) needs fn to return a tensor, got "
                     f"{type(output).__name__}"
                 )
-            parts.append(output.detach().reshape(-1).to(torch.float32))
-        if self._counters:
-            parts.append(pack_counts(self._counters))
-        return torch.cat([p.to(self.adapter.device) for p in parts]) if parts else None
-
-    def _unpack(self, vote: Vote, output: Any, average: bool) -> Any:
-        """Counters become their sums over the replicas; the output (with ``average``) their
-        mean over the participants, as float32 on its own device."""
-        summed = vote.payload
-        if summed is None:
-            return output
+            payload = output.detach().reshape(-1).to(torch.float32).to(self.adapter.device)
+        vote = self.veto.vote(payload)
         if average:
-            n = output.numel()
-            mean = summed[:n] / self.reducer.contributors
+            assert vote.payload is not None
+            mean = vote.payload / self.reducer.contributors
             output = mean.view(output.shape).to(dtype=torch.float32, device=output.device)
-            summed = summed[n:]
-        if self._counters:
-            unpack_counts(self._counters, summed)
-        return output
+        return vote, output
+
+    def _late_flags_alone(self) -> bool:
+        """Flags raised after the exchange in a step with no second vote discard this replica's
+        step alone (it heals from a peer at the next quorum): the others already committed to it."""
+        late = self.veto.pending
+        if not late:
+            return False
+        self.veto.discard()
+        if self.manager.errored() is None:
+            self.manager.report_error(
+                CommitVetoed(f"step vetoed here only (raised after the exchange): {late}")
+            )
+        if not self._late_warned:
+            self._late_warned = True
+            logger.warning(
+                "a veto flag was raised after the gradients were exchanged, in a step with no "
+                "second vote: only this replica discards it and heals; pass "
+                "run_step(late_flags=True) where flags come after the backward"
+            )
+        return True
 
     def _settle_quorum(self) -> None:
         """A step that failed before its first collective: its quorum is still awaited (a lost
@@ -408,14 +443,17 @@ class Replica:
         fn: Callable[[], Any],
         *,
         average_output: bool = False,
+        late_flags: bool = False,
         before_update: Callable[[], None] | None = None,
     ) -> StepResult:
         """One fault-tolerant step; ``fn`` runs forward and backward (its result is returned).
 
         With ``average_output`` the result (a tensor, e.g. the loss) comes back averaged over the
-        participating replicas, so every replica logs and judges the same value.
-        ``before_update`` runs after the vote on a committed step, just before the optimizer
-        (gradient clipping on the replica-averaged gradients)."""
+        participating replicas, so every replica logs and judges the same value. ``late_flags``:
+        ``fn`` may raise veto flags after its backward (a check of the averaged gradients), so
+        a second vote is held after it; a flag raised after the exchange without one discards
+        this replica's step only. ``before_update`` runs after the vote on a committed step, just
+        before the optimizer (gradient clipping on the replica-averaged gradients)."""
         if self._closed:
             raise RuntimeError("Replica.run_step after close()")
         t0 = time.perf_counter()
@@ -424,6 +462,7 @@ class Replica:
         self._step_heals = self.heals
         self._quorum_checked = self._heal_in_quorum = False
         self._quorums.last = None
+        self._late_vote = average_output or late_flags or self.reduction_check is not None
         # Asynchronous once this replica committed its last step: no heal is due to it, and the
         # quorum is computed while the forward runs (the first bucket waits for it). On its
         # first step, after set_step and after a step it did not commit, a heal may be due: the
@@ -455,17 +494,21 @@ class Replica:
                 self.reducer.end_step()
             t2 = time.perf_counter()
             timings["allreduce"] = self.reducer.finish_s  # the waits left after the backward
-            # One all-reduce: the veto, the stop, the loss to average and the MoE counters. A
-            # peer that dies between the gradient all-reduce and the vote is caught here too.
-            vote = self.recovery.guard(
-                "veto", lambda: self.veto.vote(self._payload(output, average_output))
-            )
-            output = self._unpack(vote, output, average_output)
+            vote, second = self._first_vote()
+            if second:  # every replica holds it alike: the first vote agreed on it
+                # A peer that dies between the gradient all-reduce and this vote is caught here.
+                late, output = self.recovery.guard(
+                    "veto", lambda: self._second_vote(output, average_output)
+                )
+                vote = Vote(vote.vetoed or late.vetoed, vote.stop or late.stop)
+            elif self._late_flags_alone():
+                vote = Vote(True, vote.stop)
             timings["vote"] = time.perf_counter() - t2
         except Exception as error:
             if not self.recovery.is_recoverable(error):
                 raise
             self._settle_quorum()
+            self.veto.discard()
             self.recovery.recover(error)
             self.manager.report_error(error)
             committed = self.manager.should_commit()

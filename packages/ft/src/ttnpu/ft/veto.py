@@ -2,19 +2,20 @@
 
 torchft's ``should_commit`` is an AND over the ranks of *one* replica group: a replica that spots a
 problem (an SDC event, a NaN loss) only drops its own update while the others commit a step that
-already contains its gradient. The veto is one all-reduce (a SUM of 0/1 flags) through the
-Manager before ``should_commit``: if any replica raised a flag, every replica reports an error
-and skips the step, so weights stay identical everywhere and nobody needs to heal.
+already contains its gradient. The veto is a SUM of 0/1 flags over the replicas before
+``should_commit``: if any replica raised a flag, every replica reports an error and skips the step,
+so weights stay identical everywhere and nobody needs to heal.
 
-The same all-reduce carries a second value, "stop requested": a replica asked to stop (SIGTERM)
-must not leave alone, or the others wait for it in their next quorum. When any replica requested
-it, every replica learns so in the same vote and all stop after the same step.
+The same sum carries a second value, "stop requested": a replica asked to stop (SIGTERM) must not
+leave alone, or the others wait for it in their next quorum. When any replica requested it, every
+replica learns so in the same vote and all stop after the same step.
 
-The vote may carry a payload that the step sums across replicas anyway (the loss to average, the
-MoE token counters): one small all-reduce a step instead of three, each a round trip on the
-critical path between the backward and the commit (:class:`~ttnpu.ft.managed.ManagedAllreduce`:
-torchft's rules without the managed work's wrapping, which cost as much as the all-reduce
-itself). A replica healing in the step sends its flags but no payload.
+A vote is a ballot (``ballot()``: the flags, then a payload the step sums anyway) summed by some
+all-reduce, then counted (``count()``). :class:`~ttnpu.ft.Replica` casts its ballot in the
+gradient flags' all-reduce at the end of the backward, which costs no round trip of its own, and
+holds a second vote (``vote()``, one small all-reduce) only when something can raise a flag after
+the gradients were exchanged or the output is to be averaged. A replica healing in the step sends
+its flags but no payload.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ class CommitVeto:
     """Collects local veto reasons during a step and turns them into a cross-replica decision.
 
     ``raise_flag`` and ``request_stop`` may be called from any thread (a detector hook, a
-    callback); ``vote`` must be called by every replica once per step, after the gradient
-    all-reduce and before ``should_commit``.
+    callback); every replica votes alike once per step (or twice, see the module), after its
+    gradients are reduced and before ``should_commit``.
     """
 
     def __init__(self, collectives: ManagedAllreduce, device: torch.device | str = "cpu") -> None:
@@ -57,8 +58,8 @@ class CommitVeto:
         self._device = torch.device(device)
         self._lock = threading.Lock()
         self._reasons: list[str] = []
+        self._cast: list[str] = []  # the reasons the last ballot carried
         self._stop = False
-        self.vetoed_steps = 0
 
     def raise_flag(self, reason: str) -> None:
         """Ask every replica to skip the current step."""
@@ -75,25 +76,42 @@ class CommitVeto:
         with self._lock:
             return list(self._reasons)
 
-    def vote(self, payload: torch.Tensor | None = None) -> Vote:
-        """SUM all-reduce of [flag, stop, *payload] (flags are 0 or 1: a sum above 0 is "any");
-        on a veto, report ``CommitVetoed``. ``payload`` (any shape) comes back flattened in
-        ``Vote.payload``, summed in float32 (the widest float HCCL reduces on Atlas A2/A3)."""
+    def ballot(self, payload: torch.Tensor | None = None) -> torch.Tensor:
+        """This replica's ballot, ``[flag, stop, *payload]`` in float32 (the widest float HCCL
+        reduces on Atlas A2/A3): the reasons raised so far are taken by it (the flag is 1 when
+        there are any). Sum it over the replicas and hand the sum to :meth:`count`."""
         with self._lock:
-            reasons, self._reasons = self._reasons, []
+            self._cast, self._reasons = self._reasons, []
         votes = torch.tensor(
-            [float(bool(reasons)), float(self._stop)], dtype=torch.float32, device=self._device
+            [float(bool(self._cast)), float(self._stop)], dtype=torch.float32, device=self._device
         )
-        if payload is not None:
-            votes = torch.cat((votes, payload.detach().reshape(-1).to(votes)))
-        self._allreduce(votes)
-        vetoed, stop = (bool(v > 0) for v in votes[:2].tolist())
+        if payload is None:
+            return votes
+        return torch.cat((votes, payload.detach().reshape(-1).to(votes)))
+
+    def count(self, sums: torch.Tensor) -> Vote:
+        """The decision of the ballots summed in ``sums`` (this replica's own where the sum
+        failed: the step does not commit then); on a veto, report ``CommitVetoed``.
+        ``Vote.payload`` is what followed the two flags (None when nothing did)."""
+        vetoed, stop = (bool(v > 0) for v in sums[:2].tolist())
         if vetoed:
-            local = "; ".join(reasons) if reasons else "raised by another replica"
+            local = "; ".join(self._cast) if self._cast else "raised by another replica"
             if self._manager.errored() is None:  # a failed collective keeps its own report
                 self._manager.report_error(CommitVetoed(f"step vetoed: {local}"))
-            self.vetoed_steps += 1
-        return Vote(vetoed=vetoed, stop=stop, payload=votes[2:] if payload is not None else None)
+        return Vote(vetoed=vetoed, stop=stop, payload=sums[2:] if sums.numel() > 2 else None)
+
+    def vote(self, payload: torch.Tensor | None = None) -> Vote:
+        """A vote of its own: the ballot (``payload``, any shape, comes back flattened and
+        summed in ``Vote.payload``) all-reduced, then counted."""
+        votes = self.ballot(payload)
+        self._allreduce(votes)
+        return self.count(votes)
+
+    def discard(self) -> None:
+        """Forget the reasons raised in a step that was discarded without a vote (a lost peer,
+        a timed-out collective): they must not veto the step's re-run."""
+        with self._lock:
+            self._reasons = []
 
     def _allreduce(self, votes: torch.Tensor) -> None:
         """SUM over the replicas in place; a failure leaves this replica's own values."""
