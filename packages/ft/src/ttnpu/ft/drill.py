@@ -83,13 +83,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--depth", type=int, default=2)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds added to each backward")
+    p.add_argument(
+        "--step-sleep",
+        type=float,
+        default=0.0,
+        help="seconds added to each backward, before its last gradient is ready",
+    )
     p.add_argument("--veto-at", type=int, nargs="*", default=[], help="steps this replica vetoes")
     p.add_argument(
         "--hold-at",
         type=int,
         default=None,
-        help="at this step, after backward (its gradients reduced, before the vote), write "
+        help="at this step, inside the backward (before its last bucket and the vote), write "
         "DIR/holding_<id> and block until killed: a deterministic point for a kill drill (ft mode)",
     )
     p.add_argument("--collective-timeout", type=float, default=5.0)
@@ -105,16 +110,25 @@ def main(argv: list[str] | None = None) -> None:
     loss_fn = nn.MSELoss()
     step = 0  # ft mode: the committed steps before the one in flight
 
-    def forward_backward() -> float:
-        x, y = batches.next()
-        loss = loss_fn(model(x), y)
-        loss.backward()
+    def inside_backward(grad: torch.Tensor) -> None:
+        """Runs as the first layer's gradient is computed, the backward's last: before the
+        all-reduce of its bucket and the ballot that ends the backward, so a replica stopped or
+        held here has not yet contributed to the step."""
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if step == args.hold_at:
             (args.out / f"holding_{args.replica_id}").write_text(str(step))
             while True:
                 time.sleep(1)
+
+    first_weight = model[0].weight
+    assert isinstance(first_weight, torch.Tensor)
+    first_weight.register_hook(inside_backward)
+
+    def forward_backward() -> float:
+        x, y = batches.next()
+        loss = loss_fn(model(x), y)
+        loss.backward()
         return float(loss.detach())
 
     def emit(record: dict[str, Any]) -> None:
