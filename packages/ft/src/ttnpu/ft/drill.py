@@ -121,9 +121,7 @@ def main(argv: list[str] | None = None) -> None:
             while True:
                 time.sleep(1)
 
-    first_weight = model[0].weight
-    assert isinstance(first_weight, torch.Tensor)
-    first_weight.register_hook(inside_backward)
+    next(model.parameters()).register_hook(inside_backward)  # the first layer's weight
 
     def forward_backward() -> float:
         x, y = batches.next()
