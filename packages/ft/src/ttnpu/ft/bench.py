@@ -7,7 +7,8 @@ Side by side in one run, on this host:
   (:mod:`ttnpu.ft.bench_arms`): off (plain gloo), ft (two ttnpu.ft replica groups) and torchft's
   own DDP + OptimizerWrapper; per round the on/off ratios, then their median and spread (min,
   max), CPU seconds per step beside wall seconds, and FT's own per-step calls (quorum wait,
-  vote, commit) as a fraction of the step;
+  vote, commit) as a fraction of the step, beside torchft's own calls in its arm (quorum start
+  and wait, ``should_commit``);
 - the time from SIGKILL of one replica (mid-step) to the survivor's next commit;
 - heal transfer throughput: ttnpu's SocketTransport vs torchft's HTTPTransport on the same
   snapshot, with a cold copy of the same bytes as the host's ceiling.
@@ -231,6 +232,10 @@ def _ratios(args: argparse.Namespace, records: list[dict[str, Any]]) -> dict[str
         figures[f"step_s_{arm}"] = step_s
         figures[f"cpu_s_per_step_{arm}"] = median(r[arm]["cpu_s"] for r in rounds)
     figures["ft_own_calls_fraction_of_step"] = median(r["ft"]["own_fraction"] for r in rounds)
+    # the same calls of torchft's own integration (its quorum start and wait, should_commit)
+    figures["torchft_ddp_own_calls_fraction_of_step"] = median(
+        r["torchft"]["own_fraction"] for r in rounds
+    )
     figures["ft_step_parts_s"] = {  # quorum start+wait, waits after the backward, vote, commit
         key: median(r["ft"][key] for r in rounds)
         for key in ("quorum_s", "allreduce_s", "vote_s", "commit_s")

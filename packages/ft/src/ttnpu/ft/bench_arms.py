@@ -102,17 +102,38 @@ def _torchft_arm(
     )
     ddp = DistributedDataParallel(manager, model)
     wrapped = OptimizerWrapper(manager, optimizer)
+    calls = ("start_quorum", "wait_quorum", "should_commit")
+    spent = {name: _timed(manager, name) for name in calls}
 
     def step(forward_backward: Callable[[nn.Module], None]) -> dict[str, Any]:
+        for seconds in spent.values():
+            seconds[0] = 0.0
         wrapped.zero_grad(set_to_none=True)
         forward_backward(ddp)
         before = manager.current_step()
         wrapped.step()
         assert manager.current_step() == before + 1, "bench: a torchft step was not committed"
         scheduler.step()
-        return {}
+        quorum = spent["start_quorum"][0] + spent["wait_quorum"][0]
+        return {"timings": {"quorum": quorum, "vote": 0.0, "commit": spent["should_commit"][0]}}
 
     return manager, step
+
+
+def _timed(manager: Manager, name: str) -> list[float]:
+    """Time the Manager's ``name`` (the seconds spent in it this step, summed): torchft's calls
+    that ttnpu.ft's step times as its quorum and commit, so both arms' own calls compare."""
+    call, seconds = getattr(manager, name), [0.0]
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            seconds[0] += time.perf_counter() - t0
+
+    setattr(manager, name, timed)
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> None:
