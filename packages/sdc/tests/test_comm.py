@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -194,22 +193,3 @@ def test_the_compiled_checksums_are_the_eager_ones_and_flag_the_same_flip(
         flipped = x.clone()
         flip_bit(flipped, 7 * length + 3, 14 if dtype == torch.bfloat16 else 30)
         assert bool(suspect(flipped, *args))
-
-
-def test_checksums_run_eagerly_once_compiling_failed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU host without a C++ compiler: one warning, then the same checksums, eagerly."""
-    fused = comm._Fused(comm._eager_chunk_sums)
-
-    def no_compiler(*args: object) -> torch.Tensor:
-        error = RuntimeError("no working C++ compiler found")
-        raise torch._dynamo.exc.BackendCompilerFailed(None, error, None)
-
-    monkeypatch.setattr(fused, "compiled", no_compiler)
-    x = torch.randn(1000)
-    with pytest.warns(UserWarning, match="run eagerly, compiling them failed: no working C"):
-        first = fused(x, 127, True)
-    assert fused.failed and torch.equal(first, comm._eager_chunk_sums(x, 127))
-    with warnings.catch_warnings(record=True) as later:
-        warnings.simplefilter("always")
-        assert torch.equal(fused(x, 127, True), first)
-    assert later == []  # warned once

@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from ttnpu.sdc import comm, flip_bit, sites
+from ttnpu.sdc.fused import Fused
+from ttnpu.sdc.sites import Operands
+
+bf = torch.bfloat16
+
+
+def _no_compiler(*args: object) -> torch.Tensor:
+    error = RuntimeError("no working C++ compiler found")
+    raise torch._dynamo.exc.BackendCompilerFailed(None, error, None)
+
+
+def test_checks_run_eagerly_once_compiling_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU host without a C++ compiler: one warning naming the checks, then the same result,
+    eagerly."""
+    fused = Fused(comm._eager_chunk_sums, "collective checksums")
+    monkeypatch.setattr(fused, "compiled", _no_compiler)
+    x = torch.randn(1000)
+    with pytest.warns(UserWarning, match="collective checksums run eagerly, compiling them failed"):
+        first = fused(x, 127, True)
+    assert fused.failed and torch.equal(first, comm._eager_chunk_sums(x, 127))
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        assert torch.equal(fused(x, 127, True), first)
+    assert later == []  # warned once
+
+
+class _Subclass(torch.Tensor):
+    """Stands for DTensor or a fake tensor: a tensor type Inductor is not handed here."""
+
+
+@pytest.mark.parametrize("kind", ["meta", "subclass"])
+def test_what_inductor_cannot_compile_runs_as_written(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """The meta device and tensor subclasses never reach the compiler."""
+    x = torch.empty(64, device="meta") if kind == "meta" else torch.ones(64).as_subclass(_Subclass)
+    fused = Fused(lambda t: t * 2, "test checks")
+    monkeypatch.setattr(fused, "compiled", _no_compiler)
+    y = fused(x)
+    assert not fused.failed and y.device == x.device
+    if kind == "subclass":
+        assert type(y) is _Subclass and bool((y == 2).all())
+
+
+def _cases() -> dict[str, tuple[str, Operands, torch.Tensor]]:
+    a, b = torch.randn(48, 64, dtype=bf), torch.randn(64, 40, dtype=bf)
+    bias = torch.randn(40, dtype=bf)
+    at = torch.randn(64, 48, dtype=bf).t()  # a transposed operand, as in a weight gradient
+    ba, bb = torch.randn(3, 24, 32, dtype=bf), torch.randn(3, 32, 16, dtype=bf)
+    ga, gb = torch.randn(64, 32, dtype=bf), torch.randn(4, 32, 16, dtype=bf)
+    offs = torch.tensor([16, 16, 40, 64], dtype=torch.int32)  # one empty group
+    return {
+        "mm": ("mm", Operands(a, b), a @ b),
+        "mm_transposed": ("mm", Operands(at, b), at @ b),
+        "addmm": (
+            "addmm",
+            Operands(a, b, bias=bias, beta=0.5),
+            torch.addmm(bias, a, b, beta=0.5),
+        ),
+        "bmm": ("bmm", Operands(ba, bb), torch.bmm(ba, bb)),
+        "grouped": (
+            "_grouped_mm",
+            Operands(ga, gb, offs=offs),
+            torch._grouped_mm(ga, gb, offs=offs),
+        ),
+    }
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "op_by_op"])
+@pytest.mark.parametrize("case", list(_cases()))
+def test_the_eager_screen_equals_the_reference_screen_and_catches_a_flip(
+    monkeypatch: pytest.MonkeyPatch, case: str, compiled: bool
+) -> None:
+    """Compiled (past the process's first screens) or op by op (before them: never compiled)."""
+    op, ops, out = _cases()[case]
+    monkeypatch.setattr(sites, "SCREENS_COMPILE_AFTER", 0 if compiled else 10**9)
+    fused, calls = sites._SCREENS[op], []
+    if compiled:
+        real = fused.compiled
+        monkeypatch.setattr(fused, "compiled", lambda *a: calls.append(1) or real(*a))
+    else:
+        monkeypatch.setattr(fused, "compiled", _no_compiler)
+    value, reference = sites.eager_screen(op, ops, out), sites.screen(op, ops, out)
+    torch.testing.assert_close(value, reference, rtol=1e-3, atol=1e-3)
+    assert float(value) <= 1.0
+    flip_bit(out, out.numel() // 2 + 3, 14)  # the top exponent bit of a bf16 element
+    assert float(sites.eager_screen(op, ops, out)) > 1.0
+    assert not fused.failed and len(calls) == (2 if compiled else 0)
