@@ -18,7 +18,7 @@ from torchtitan.components.optimizer import (
     default_adamw,
 )
 
-from ttnpu.sdc import ChecksumSwitch
+from ttnpu.sdc import ChecksumSwitch, SDCEvent
 from ttnpu.trainer import DeepSeekV4LM, SilentDataCorruption, SpikeRecovery, model_spec
 from ttnpu.trainer.launcher import replica_args, wait_at_start_barrier
 from ttnpu.trainer.run_folder import write_checksums
@@ -125,6 +125,29 @@ def test_the_sdc_guard_catches_an_injected_flip_only_where_and_when_planned(tmp_
     assert {(e["kind"], e["confirmed"]) for e in logged} >= {("matmul", True)}
     other = SDCGuard(config, lm, replica_id=1, events_path=tmp_path / "other.jsonl")
     assert _step(lm, other, step=2, attempt=1) == [] and other.injected == 0
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_verdicts_read_per_step_veto_a_flip_unconfirmed_and_the_rerun_confirms_per_product(
+    tmp_path: Path, persistent: bool
+) -> None:
+    lm = _mlp()
+    config = SilentDataCorruption(
+        checksums="always",
+        checksum_verdicts="step",
+        inject_step=2,
+        inject_persistent=persistent,
+        gradient=False,
+    )
+    guard = SDCGuard(config, lm, replica_id=0, events_path=tmp_path / "events.jsonl")
+    assert _step(lm, guard, step=1, attempt=1) == []
+    caught = [e for e in _step(lm, guard, step=2, attempt=1) if isinstance(e, SDCEvent)]
+    matmul = [e for e in caught if e.kind == "matmul"]  # the loss is not finite either
+    assert matmul[0].where.startswith("addmm:forward#") and not SDCGuard.corrupted(caught)
+    assert all(e.detail["verdict"] == "suspect" for e in matmul)
+    rerun = _step(lm, guard, step=2, attempt=2)
+    assert SDCGuard.corrupted(rerun) == persistent  # type: ignore[arg-type]
+    assert guard.injected == (2 if persistent else 1)
 
 
 def test_a_persistent_flip_corrupts_every_attempt_and_checksums_are_forced_on_reruns(

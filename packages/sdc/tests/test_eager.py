@@ -80,3 +80,47 @@ def test_grouped_mm_experts_forward_and_backward() -> None:
     assert mode.stats.checked == 3  # forward, grad of tokens, grad of experts
     (event,) = flag.take()
     assert event.detail["op"] == "_grouped_mm" and "backward" in event.where
+
+
+def test_verdicts_read_on_exit_report_a_flip_when_the_window_ends_and_a_rerun_confirms() -> None:
+    """One host sync per window: the flip's screen is read at exit, reported unconfirmed; the
+    re-run under per-product verdicts is clean (the fault was transient). The flipped 1e37 also
+    fails the screens of the backward products it feeds (their squares overflow fp32), which only
+    a full check, with the operands at hand, would clear."""
+    lin = nn.Linear(64, 48).bfloat16()
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    flag = VetoFlag()
+    plan = FaultPlan([BitFlip(index=37, bit=14)], phase="forward")
+    mode = ChecksumMode(reporter=Reporter([flag]), verdicts="on_exit")
+    with MatmulFaultMode(plan), mode:
+        _linear_step(lin, x)
+        assert plan.fired == 1 and not flag.vetoed  # nothing read yet
+    events = flag.take()
+    assert events[0].where.startswith("addmm:forward#")
+    assert all(":backward#" in e.where for e in events[1:])
+    for event in events:
+        assert event.kind == "matmul" and not event.confirmed and event.magnitude > 1.0
+        assert event.detail["verdict"] == "suspect"
+    assert mode.stats.checked == 3 and mode.stats.suspects == len(events)
+    assert mode.stats.faults == 0
+    with ChecksumMode(reporter=Reporter([flag])) as rerun:
+        _linear_step(lin, x)
+    assert not flag.vetoed and rerun.stats.checked == 3
+
+
+def test_flush_reads_the_pending_verdicts_inside_the_window() -> None:
+    lin = nn.Linear(32, 32, bias=False).bfloat16()
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    flag = VetoFlag()
+    plan = FaultPlan([BitFlip(index=3, bit=14)], call=1)  # the second product
+    with MatmulFaultMode(plan), ChecksumMode(reporter=Reporter([flag]), verdicts="on_exit") as m:
+        lin(x)
+        assert m.flush() == 0 and not flag.vetoed
+        lin(x)
+        assert m.flush() == 1 and len(flag.take()) == 1
+    assert not flag.vetoed and m.stats.checked == 2  # nothing left to read at exit
+
+
+def test_an_unknown_verdicts_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="verdicts must be 'each' or 'on_exit', got 'batch'"):
+        ChecksumMode(verdicts="batch")  # type: ignore[arg-type]

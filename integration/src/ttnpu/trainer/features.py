@@ -178,6 +178,12 @@ class SilentDataCorruption:
     every replica), so a corruption that leaves gradient statistics alone is still found; a
     persistent fault is caught within ~1/fraction steps."""
 
+    checksum_verdicts: Literal["each", "step"] = "each"
+    """When a checked first attempt reads its matmul screens: for ``each`` product at once (a host
+    sync per product; a suspect is recomputed and confirmed on the spot), or once per ``step``
+    (one host sync per attempt, which keeps an accelerator's queue full; a suspect is reported
+    unconfirmed and vetoes the step, whose re-run reads each product and confirms)."""
+
     gradient: bool = True
     """Gradient feature-value detection at every optimizer step (before the cross-replica
     all-reduce, so the replica that produced a bad gradient is the one that notices)."""

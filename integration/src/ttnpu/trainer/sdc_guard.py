@@ -3,6 +3,8 @@
 By default (``checksums = "escalate"``) gradient statistics are judged at every step, and the
 matmul checksums run only while those have struck (for a cooldown), on a sampled fraction of steps
 and on every re-run: the escalation policy of torch_npu's own detection, cheap enough to leave on.
+With ``checksum_verdicts = "step"`` a first attempt reads its screens once, when its backward
+ends (a suspect is reported unconfirmed); re-runs always read and confirm each product.
 
 Every detection is written to ``sdc_events.jsonl`` in the run folder and vetoes the step on every
 replica, so nothing corrupted is committed anywhere: a matmul whose checksum is wrong, a gradient
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -166,7 +169,11 @@ class SDCGuard:
             if plan is not None:
                 stack.enter_context(MatmulFaultMode(plan))
             if self._checking(step, attempt):
-                stack.enter_context(ChecksumMode(reporter=self.reporter, switch=_ALWAYS))
+                per_step = attempt == 1 and self.config.checksum_verdicts == "step"
+                verdicts: Literal["each", "on_exit"] = "on_exit" if per_step else "each"
+                stack.enter_context(
+                    ChecksumMode(reporter=self.reporter, switch=_ALWAYS, verdicts=verdicts)
+                )
             yield
             if plan is not None:
                 self.injected += plan.fired

@@ -10,6 +10,9 @@ is that time divided by the one of its baseline (eager, or compiled without the 
 
 * ``eager_checksums``: :class:`ChecksumMode` over every matmul, forward and backward, timed
   once its screens are compiled (the warm-up runs past ``SCREENS_COMPILE_AFTER``);
+* ``eager_checksums_on_exit``: the same, its verdicts read once per step
+  (``verdicts="on_exit"``: one host sync per step instead of one per product, which a CPU does
+  not feel and an accelerator's queue does);
 * ``compiled_checksums``: the Inductor pass with checks on; ``compiled_checks_off`` with the
   pass compiled in but switched off (the fused screen still runs, the verdict is not read);
 * ``gradient_detection``: :class:`GradientDetector` at every step (sampling interval 3);
@@ -244,12 +247,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return escalate_mode if policy.begin_step(steps_run[0]) else none()
 
     eager_mode = ChecksumMode(reporter=reporter)
+    on_exit_mode = ChecksumMode(reporter=reporter, verdicts="on_exit")
     set_default_reporter(reporter)  # the compiled checks report through the default reporter
     with _one_rank_group():
         pass_step = variant(compiled=True, options=checksum_compile_options(dtypes=(dtype,)))
         variants: dict[str, tuple[Step, Callable[[], contextlib.AbstractContextManager[Any]]]] = {
             "eager": (variant(), none),
             "eager_checksums": (variant(), lambda: eager_mode),
+            "eager_checksums_on_exit": (variant(), lambda: on_exit_mode),
             "gradient_detection": (variant(gradient), none),
             "escalation": (variant(escalation), escalated),
             "allreduce": (variant(plain_allreduce), none),
@@ -299,6 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "step_cpu_ms": {name: round(1e3 * t, 2) for name, t in med.items()},
         "eager_checksums": ratio("eager_checksums", "eager"),
+        "eager_checksums_on_exit": ratio("eager_checksums_on_exit", "eager"),
         "compiled_checksums": ratio("compiled_checksums", "compiled"),
         "compiled_checks_off": ratio("compiled_checks_off", "compiled"),
         "gradient_detection": ratio("gradient_detection", "eager"),
@@ -306,6 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "escalation": round(escalation_cost, 4),
         "coverage": {
             "eager_checksums": 1.0,
+            "eager_checksums_on_exit": 1.0,
             "compiled_checksums": 1.0,
             "escalation": args.sample_steps,
             "gradient_detection": 0.0,

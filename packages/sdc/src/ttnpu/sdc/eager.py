@@ -3,12 +3,21 @@
 ``torch.matmul``, ``F.linear`` and ``nn.Linear`` reach the dispatcher as ``mm``, ``addmm`` or
 ``bmm``; MoE experts as ``_grouped_mm``. The autograd engine carries the mode into the backward
 pass, so gradient matmuls are checked too.
+
+Each product's screen is computed as the product runs. Its verdict is read either at once
+(``verdicts="each"``: a host sync per product, and a suspect product is recomputed and confirmed
+while its operands exist) or for the whole window when the mode exits (``verdicts="on_exit"``:
+one host sync per window, which keeps an accelerator's queue full; a suspect is reported
+unconfirmed, and the caller re-runs the window under ``"each"`` to confirm it, as a trainer re-runs
+any vetoed step). Both screen every product alike, so both catch the same corruptions; a product
+whose screen is not finite (non-finite operands, squares beyond fp32) fails it, which only the
+full check, with the operands at hand, can clear: on exit it is a suspect too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -17,7 +26,14 @@ from torch.utils.module_tracker import ModuleTracker
 
 from .checksum import SIGMAS
 from .events import Reporter, default_reporter
-from .sites import COVERED_OPS, CheckStats, check_and_report, current_phase, operands
+from .sites import (
+    COVERED_OPS,
+    CheckStats,
+    check_and_report,
+    current_phase,
+    eager_screen,
+    operands,
+)
 from .switch import ChecksumSwitch, checksum_switch
 
 __all__ = ["DEFAULT_DTYPES", "ChecksumMode"]
@@ -32,7 +48,8 @@ class ChecksumMode(TorchDispatchMode):
     sampling (``switch.sample_every``). Confirmed faults go to ``reporter`` (default: the
     process-wide one, which logs and raises); ``stats`` counts what was checked and found. With
     ``track_modules`` an event names the innermost module that ran the matmul (this adds global
-    module hooks, so it costs a little more).
+    module hooks, so it costs a little more). ``verdicts``: when each product's screen is read
+    (see the module docstring); :meth:`flush` reads the pending ones before the mode exits.
     """
 
     def __init__(
@@ -43,8 +60,16 @@ class ChecksumMode(TorchDispatchMode):
         dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
         sigmas: float = SIGMAS,
         track_modules: bool = False,
+        verdicts: Literal["each", "on_exit"] = "each",
     ) -> None:
         super().__init__()
+        if verdicts not in ("each", "on_exit"):
+            raise ValueError(
+                f"ChecksumMode: verdicts must be 'each' or 'on_exit', got {verdicts!r}"
+            )
+        self.verdicts = verdicts
+        # screen, where, op, the product's dtype and shape
+        self._pending: list[tuple[Tensor, str, str, torch.dtype, torch.Size]] = []
         self.track_modules = track_modules
         self._tracker: ModuleTracker | None = None
         self.reporter = reporter
@@ -68,6 +93,33 @@ class ChecksumMode(TorchDispatchMode):
             if self._tracker is not None:
                 self._tracker.__exit__(*exc)
                 self._tracker = None
+        self.flush()
+
+    def flush(self) -> int:
+        """Read the pending screens (``verdicts="on_exit"``) with one host sync; report each
+        product that fails as an unconfirmed ``matmul`` event (``verdict`` "suspect": its operands
+        are gone, a re-run confirms). Returns how many failed."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return 0
+        values = torch.stack([screened.float() for screened, *_ in pending]).tolist()
+        failed = [(v, p) for v, p in zip(values, pending, strict=True) if not v <= 1.0]  # NaN too
+        reporter = self.reporter or default_reporter()
+        for value, (_, where, op, dtype, shape) in failed:
+            self.stats.suspects += 1
+            reporter.report(
+                "matmul",
+                where,
+                magnitude=value,
+                confirmed=False,
+                detail={
+                    "op": op,
+                    "verdict": "suspect",
+                    "dtype": str(dtype),
+                    "shape": "x".join(map(str, shape)),
+                },
+            )
+        return len(failed)
 
     def _module(self) -> str:
         if self._tracker is None:
@@ -92,11 +144,17 @@ class ChecksumMode(TorchDispatchMode):
         ):
             return out
         self._calls += 1
+        where = f"{self._module()}{op}:{current_phase()}#{self._calls}"
+        if self.verdicts == "on_exit":
+            self.stats.checked += 1
+            screened = eager_screen(op, operands(op, args, kwargs), out, self.sigmas)
+            self._pending.append((screened, where, op, out.dtype, out.shape))
+            return out
         check_and_report(
             op,
             operands(op, args, kwargs),
             out,
-            where=f"{self._module()}{op}:{current_phase()}#{self._calls}",
+            where=where,
             reporter=self.reporter or default_reporter(),
             stats=self.stats,
             sigmas=self.sigmas,
