@@ -101,9 +101,9 @@ def screen(
 # 512x256x768 bf16 product on a CPU, half of the GEMM); compiled, one pass over each operand
 # (0.1 ms). Symbolic shapes: one graph for every product of a model, not one per shape.
 # Compiling all four takes about 5 s per process with a warm Inductor cache (25-30 s cold on this
-# 2-core CPU): they compile after the process's 512th screen (9 checked steps of the bench's 57
-# products), so a process that checks a few products (a test, a short run, one sampled step)
-# runs them op by op.
+# 2-core CPU, more for a model of many operand layouts) and saves about 0.2 ms a screen there:
+# they compile after the process's 20,000th screen, about where that pays back, so a process
+# that checks a few steps (a test, a short run, sampled steps) runs them op by op.
 def _mm_screen(a: Tensor, b: Tensor, out: Tensor, sigmas: float, fused: bool = True) -> Tensor:
     return matmul_screen(a, b, out, None, 1.0, 1.0, sigmas, fused)
 
@@ -131,7 +131,7 @@ def _grouped_screen(
     return grouped_mm_screen(a, b, out, offs, bias, sigmas, True)
 
 
-SCREENS_COMPILE_AFTER = 512
+SCREENS_COMPILE_AFTER = 20_000
 """Screens of one process run op by op until this many, then compiled (:class:`Fused`)."""
 _screens_run = 0
 _WHAT = "eager matmul screens"
