@@ -48,8 +48,8 @@ def make_replica(
     **kw: Any,
 ) -> Replica:
     model = make_model(0)
-    timeouts = {
-        "collective_timeout": timedelta(seconds=5),
+    timeouts = {  # a loaded 2-core CI host: gloo's store connection in the first quorum took >5 s
+        "collective_timeout": timedelta(seconds=20),
         "timeout": timedelta(seconds=10),
         "quorum_timeout": timedelta(seconds=10),
     }
