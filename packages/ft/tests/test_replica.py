@@ -565,6 +565,39 @@ def test_a_collective_timeout_under_three_step_times_is_warned_about_once(
     assert warnings[3] == []  # once
 
 
+class CountingClient:
+    """torchft's ManagerClient with its ``should_commit`` RPCs counted."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.should_commit_calls = client, 0
+
+    def should_commit(self, *args: Any, **kwargs: Any) -> bool:
+        self.should_commit_calls += 1
+        return bool(self.client.should_commit(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+def test_a_group_of_one_rank_decides_its_commit_without_the_manager_server_rpc() -> None:
+    with sleepy_replica(0.0) as (replica, step):
+        client = CountingClient(replica._quorums._client)
+        replica._quorums._client = client
+        assert replica.run_step(step).committed
+
+        def vetoed_step() -> None:
+            step()
+            replica.veto.raise_flag("a detector fired")
+
+        result = replica.run_step(vetoed_step)
+        assert result.vetoed and not result.committed and result.step == 1
+        assert replica.run_step(step).committed
+        assert client.should_commit_calls == 0
+        # a group of several ranks asks the ManagerServer, which ANDs its ranks' decisions
+        replica._quorums._group_world_size = 2
+        assert replica.run_step(step).committed and client.should_commit_calls == 1
+
+
 def test_a_replica_gives_the_others_its_host_name_for_its_store_not_localhost() -> None:
     """Replicas on other hosts rendezvous through this store when this replica leads a quorum."""
     with sleepy_replica(0.0) as (replica, _):
