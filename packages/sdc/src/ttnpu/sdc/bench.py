@@ -10,6 +10,9 @@ is that time divided by the one of its baseline (eager, or compiled without the 
 
 * ``eager_checksums``: :class:`ChecksumMode` over every matmul, forward and backward, timed
   once its screens are compiled (the warm-up runs past ``SCREENS_COMPILE_AFTER``);
+* ``eager_checks_off``: the same dispatch mode with its switch off, so every aten op still passes
+  through it but no product is screened: the interception's own cost, the floor under
+  ``eager_checksums`` for any check made after the op;
 * ``eager_checksums_on_exit``: the same, its verdicts read once per step
   (``verdicts="on_exit"``: one host sync per step instead of one per product, which a CPU does
   not feel and an accelerator's queue does);
@@ -247,6 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return escalate_mode if policy.begin_step(steps_run[0]) else none()
 
     eager_mode = ChecksumMode(reporter=reporter)
+    intercept_mode = ChecksumMode(reporter=reporter, switch=ChecksumSwitch(on=False))
     on_exit_mode = ChecksumMode(reporter=reporter, verdicts="on_exit")
     set_default_reporter(reporter)  # the compiled checks report through the default reporter
     with _one_rank_group():
@@ -254,6 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         variants: dict[str, tuple[Step, Callable[[], contextlib.AbstractContextManager[Any]]]] = {
             "eager": (variant(), none),
             "eager_checksums": (variant(), lambda: eager_mode),
+            "eager_checks_off": (variant(), lambda: intercept_mode),
             "eager_checksums_on_exit": (variant(), lambda: on_exit_mode),
             "gradient_detection": (variant(gradient), none),
             "escalation": (variant(escalation), escalated),
@@ -304,6 +309,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "step_cpu_ms": {name: round(1e3 * t, 2) for name, t in med.items()},
         "eager_checksums": ratio("eager_checksums", "eager"),
+        "eager_checks_off": ratio("eager_checks_off", "eager"),
         "eager_checksums_on_exit": ratio("eager_checksums_on_exit", "eager"),
         "compiled_checksums": ratio("compiled_checksums", "compiled"),
         "compiled_checks_off": ratio("compiled_checks_off", "compiled"),
