@@ -10,12 +10,12 @@ is that time divided by the one of its baseline (eager, or compiled without the 
 
 * ``eager_checksums``: :class:`ChecksumMode` over every matmul, forward and backward, timed
   once its screens are compiled (the warm-up runs past ``SCREENS_COMPILE_AFTER``);
-* ``eager_checks_off``: the same dispatch mode with its switch off, so every aten op still passes
-  through it but no product is screened: the interception's own cost, the floor under
-  ``eager_checksums`` for any check made after the op;
 * ``eager_checksums_on_exit``: the same, its verdicts read once per step
   (``verdicts="on_exit"``: one host sync per step instead of one per product, which a CPU does
   not feel and an accelerator's queue does);
+* ``eager_checks_off``: the eager checks' dispatch mode with its switch off, so every aten op
+  still passes through it but no product is screened: the interception's own cost, the floor
+  under ``eager_checksums`` for any check made after the op;
 * ``compiled_checksums``: the Inductor pass with checks on; ``compiled_checks_off`` with the
   pass compiled in but switched off (the fused screen still runs, the verdict is not read);
 * ``gradient_detection``: :class:`GradientDetector` at every step (sampling interval 3);
