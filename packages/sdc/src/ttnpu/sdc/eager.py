@@ -50,7 +50,7 @@ class ChecksumMode(TorchDispatchMode):
     ``track_modules`` an event names the innermost module that ran the matmul (this adds global
     module hooks, so it costs a little more). ``verdicts``: when each product's screen is read
     (see the module docstring); :meth:`flush` reads the pending ones before the mode exits.
-    Entered, the mode intercepts every aten op, switch off or not (about 12 µs each on a CPU,
+    Entered, the mode intercepts every aten op, switch off or not (12-15 µs each on a CPU,
     13% of the bench's step): enter it on the steps that are checked, as ttnpu-trainer does.
     """
 
