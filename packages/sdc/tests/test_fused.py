@@ -94,3 +94,19 @@ def test_the_eager_screen_equals_the_reference_screen_and_catches_a_flip(
     flip_bit(out, out.numel() // 2 + 3, 14)  # the top exponent bit of a bf16 element
     assert float(sites.eager_screen(op, ops, out)) > 1.0
     assert not fused.failed and len(calls) == (2 if compiled else 0)
+
+
+def test_compile_screens_compiles_from_the_next_screen_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without it a fresh process runs its first screens op by op; after it, the next one runs
+    compiled, and the count past which they compile is not lowered for what follows."""
+    op, ops, out = _cases()["mm"]
+    monkeypatch.setattr(sites, "_screens_run", 0)
+    fused, calls = sites._SCREENS[op], []
+    real = fused.compiled
+    monkeypatch.setattr(fused, "compiled", lambda *a: calls.append(1) or real(*a))
+    sites.eager_screen(op, ops, out)
+    assert calls == []
+    sites.compile_screens()
+    value = sites.eager_screen(op, ops, out)
+    assert calls == [1] and float(value) <= 1.0
+    assert sites._screens_run == sites.SCREENS_COMPILE_AFTER + 1

@@ -45,7 +45,7 @@ from .inject import (
     flip_bit,
 )
 from .npu import enable_native_detection
-from .sites import CheckStats
+from .sites import CheckStats, compile_screens
 from .switch import BACKGROUND_SAMPLE_STEPS, ChecksumSwitch, checksum_switch
 
 if TYPE_CHECKING:
@@ -112,6 +112,7 @@ __all__ = [
     "checksum_compile_options",
     "checksum_switch",
     "chunk_length",
+    "compile_screens",
     "compiled_stats",
     "default_reporter",
     "disarm_compiled_fault",

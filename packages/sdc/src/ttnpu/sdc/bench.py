@@ -9,7 +9,7 @@ not inflate, and each variant keeps its fastest round (interference only adds ti
 is that time divided by the one of its baseline (eager, or compiled without the pass):
 
 * ``eager_checksums``: :class:`ChecksumMode` over every matmul, forward and backward, timed
-  once its screens are compiled (the warm-up runs past ``SCREENS_COMPILE_AFTER``);
+  once its screens are compiled (the warm-up compiles them: :func:`compile_screens`);
 * ``eager_checksums_on_exit``: the same, its verdicts read once per step
   (``verdicts="on_exit"``: one host sync per step instead of one per product, which a CPU does
   not feel and an accelerator's queue does);
@@ -58,7 +58,7 @@ from .config import SDCConfig
 from .eager import ChecksumMode
 from .events import Reporter, VetoFlag, set_default_reporter
 from .gradient import GradientDetector
-from .sites import SCREENS_COMPILE_AFTER
+from .sites import compile_screens
 from .switch import BACKGROUND_SAMPLE_STEPS, ChecksumSwitch, checksum_switch
 
 __all__ = ["main"]
@@ -273,10 +273,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with context():
                 step()
                 step()
-        two_steps = eager_mode.stats.checked  # past the screens run op by op: two steps more
-        while eager_mode.stats.checked <= SCREENS_COMPILE_AFTER + two_steps:
-            with eager_mode:
-                variants["eager_checksums"][0]()
+        compile_screens()
+        for name in ("eager_checksums", "eager_checksums_on_exit"):  # their screens compiled
+            step, context = variants[name]
+            with context():
+                step()
+                step()
         checks = {"eager": eager_mode.stats.checked, "compiled": compiled_stats().checked}
         for _ in range(args.rounds):
             for name, (step, context) in variants.items():

@@ -28,6 +28,7 @@ __all__ = [
     "CheckStats",
     "Operands",
     "check_and_report",
+    "compile_screens",
     "current_phase",
     "eager_screen",
     "operands",
@@ -143,6 +144,15 @@ _SCREENS = {  # a compiled partial would share one code object (torch's wrapper)
         _grouped_screen, _WHAT, eager=partial(grouped_mm_screen, fused=False), dynamic=True
     ),
 }
+
+
+def compile_screens() -> None:
+    """Run the eager screens compiled from the next one on, without waiting for the process's
+    first :data:`SCREENS_COMPILE_AFTER`: for a run that checks many steps from its start, or a
+    benchmark that times the compiled screens (on a CPU without bf16 units a bf16 model's
+    20,000 screens take a quarter of an hour)."""
+    global _screens_run
+    _screens_run = max(_screens_run, SCREENS_COMPILE_AFTER)
 
 
 @torch.no_grad()
