@@ -171,7 +171,8 @@ def e2e(session: nox.Session) -> None:
     if not any("pytest.mark.e2e" in p.read_text() for p in tests.rglob("test_*.py")):
         session.skip("integration/tests has no e2e tests yet")
     _sync(session, "--package", "ttnpu-trainer", "--group", "test")
-    session.run("pytest", str(tests), "-m", "e2e", *session.posargs)
+    # the slowest tests named in CI's log: where its time goes
+    session.run("pytest", str(tests), "-m", "e2e", "--durations=20", *session.posargs)
 
 
 @nox.session
