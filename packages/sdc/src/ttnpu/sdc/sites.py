@@ -149,8 +149,8 @@ _SCREENS = {  # a compiled partial would share one code object (torch's wrapper)
 def compile_screens() -> None:
     """Run the eager screens compiled from the next one on, without waiting for the process's
     first :data:`SCREENS_COMPILE_AFTER`: for a run that checks many steps from its start, or a
-    benchmark that times the compiled screens (on a CPU without bf16 units a bf16 model's
-    20,000 screens take a quarter of an hour)."""
+    benchmark that times the compiled screens (on a CPU without bf16 units, the bench's bf16
+    model took over 15 minutes to reach them)."""
     global _screens_run
     _screens_run = max(_screens_run, SCREENS_COMPILE_AFTER)
 
