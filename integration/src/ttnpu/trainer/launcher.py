@@ -180,12 +180,23 @@ def left_status(run: Path) -> int | None:
 
 
 def _workers(agent: int) -> list[int]:
-    """The processes ``agent`` started (its replica), from /proc; [] where there is none."""
+    """The replica processes ``agent`` started (their command line holds ``--supervisor-pid``),
+    from /proc; [] where there is none. Other children of the agent, short-lived helpers such as
+    the ``ldconfig`` that ``ctypes.util.find_library`` runs, are no replica: seen first, one was
+    reported as a replica torchelastic restarted."""
     try:
         tasks = list(Path(f"/proc/{agent}/task").iterdir())
-        return sorted(int(c) for t in tasks for c in (t / "children").read_text().split())
+        children = sorted(int(c) for t in tasks for c in (t / "children").read_text().split())
     except (OSError, ValueError):
         return []
+    return [pid for pid in children if _is_replica(pid)]
+
+
+def _is_replica(pid: int) -> bool:
+    try:
+        return b"\0--supervisor-pid\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # exited meanwhile
+        return False
 
 
 class _Supervisor:
