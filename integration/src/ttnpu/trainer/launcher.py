@@ -181,9 +181,9 @@ def left_status(run: Path) -> int | None:
 
 def _workers(agent: int) -> list[int]:
     """The replica processes ``agent`` started (their command line holds ``--supervisor-pid``),
-    from /proc; [] where there is none. Other children of the agent, short-lived helpers such as
-    the ``ldconfig`` that ``ctypes.util.find_library`` runs, are no replica: seen first, one was
-    reported as a replica torchelastic restarted."""
+    from /proc; [] where there is none. Other children of the agent (short-lived helpers it
+    runs as it starts) are no replica: seen first, one was reported as a replica that
+    torchelastic restarted."""
     try:
         tasks = list(Path(f"/proc/{agent}/task").iterdir())
         children = sorted(int(c) for t in tasks for c in (t / "children").read_text().split())
