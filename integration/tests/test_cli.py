@@ -330,3 +330,42 @@ def test_sigterm_asks_the_trainer_to_stop_and_the_stop_ends_in_one_line(
         "exit at once)",
         "ttnpu-train: stopped by SIGTERM at step 3; checkpoint /run/checkpoint/step-3",
     ]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process table")
+def test_the_supervisor_counts_only_the_agents_trainer_children_as_its_replica(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A helper the agent runs beside its replica (here a ``sleep``) is no replica: the
+    supervisor neither lists it nor reports the replica appearing after it as a restart."""
+    from ttnpu.trainer.launcher import _Supervisor, _workers
+
+    script = (
+        "import subprocess, sys, time\n"
+        "helper = subprocess.Popen(['sleep', '60'])\n"
+        "time.sleep(0.5)\n"
+        "replica = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)',\n"
+        "                            '--supervisor-pid', '1'])\n"
+        "print(helper.pid, replica.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    agent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        supervisor = _Supervisor([agent], [tmp_path])
+        deadline = time.monotonic() + 30
+        while not _workers(agent.pid):  # the helper runs alone for half a second first
+            supervisor._watch()
+            assert time.monotonic() < deadline, "the replica child never showed"
+            time.sleep(0.05)
+        assert agent.stdout is not None
+        helper, replica = map(int, agent.stdout.readline().split())
+        assert _workers(agent.pid) == [replica]
+        supervisor._watch()
+        assert supervisor.restarts == [0]
+        assert "torchelastic restarted it" not in capsys.readouterr().out
+        assert helper not in _workers(agent.pid)
+    finally:
+        for child in Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split():
+            os.kill(int(child), signal.SIGKILL)
+        agent.kill()
+        agent.wait()
