@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import pytest
 import torch
 
 from ttnpu.sdc import comm, flip_bit, sites
-from ttnpu.sdc.fused import Fused
+from ttnpu.sdc.checksum import matmul_screen
+from ttnpu.sdc.fused import Fused, FusedPerSignature
 from ttnpu.sdc.sites import Operands
 
 bf = torch.bfloat16
@@ -74,6 +76,17 @@ def _cases() -> dict[str, tuple[str, Operands, torch.Tensor]]:
     }
 
 
+def _screens(op: str) -> FusedPerSignature:
+    return sites._SCREENS["_grouped_mm" if op == "_grouped_mm" else "matmul"]
+
+
+def _count_compiles(monkeypatch: pytest.MonkeyPatch, fused: FusedPerSignature) -> list[int]:
+    calls: list[int] = []
+    real = fused._run_compiled
+    monkeypatch.setattr(fused, "_run_compiled", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "op_by_op"])
 @pytest.mark.parametrize("case", list(_cases()))
 def test_the_eager_screen_equals_the_reference_screen_and_catches_a_flip(
@@ -82,12 +95,10 @@ def test_the_eager_screen_equals_the_reference_screen_and_catches_a_flip(
     """Compiled (past the process's first screens) or op by op (before them: never compiled)."""
     op, ops, out = _cases()[case]
     monkeypatch.setattr(sites, "SCREENS_COMPILE_AFTER", 0 if compiled else 10**9)
-    fused, calls = sites._SCREENS[op], []
-    if compiled:
-        real = fused.compiled
-        monkeypatch.setattr(fused, "compiled", lambda *a: calls.append(1) or real(*a))
-    else:
-        monkeypatch.setattr(fused, "compiled", _no_compiler)
+    fused = _screens(op)
+    calls = _count_compiles(monkeypatch, fused)
+    if not compiled:
+        monkeypatch.setattr(fused, "_compile", _no_compiler)
     value, reference = sites.eager_screen(op, ops, out), sites.screen(op, ops, out)
     torch.testing.assert_close(value, reference, rtol=1e-3, atol=1e-3)
     assert float(value) <= 1.0
@@ -96,14 +107,58 @@ def test_the_eager_screen_equals_the_reference_screen_and_catches_a_flip(
     assert not fused.failed and len(calls) == (2 if compiled else 0)
 
 
+def test_a_screen_compiles_once_per_signature_and_runs_each_as_compiled() -> None:
+    """Shapes and strides are baked into a graph: each layout gets its own, the same layout
+    reuses it, and a flip is caught through either graph."""
+    fused = FusedPerSignature(
+        partial(matmul_screen, fused=True),
+        "test screens",
+        eager=partial(matmul_screen, fused=False),
+    )
+    a, b = torch.randn(48, 64, dtype=bf), torch.randn(64, 40, dtype=bf)
+    at = a.t().contiguous().t()  # the same values, column-major
+    products = [(a, a @ b), (at, at @ b), (a[:24], a[:24] @ b)]
+    with torch.no_grad():
+        for x, out in products:
+            assert float(fused(x, b, out, None, 1.0, 1.0, 6.0)) <= 1.0
+        assert len(fused.graphs) == 3
+        for x, out in products:
+            fused(x, b, out, None, 1.0, 1.0, 6.0)
+        assert len(fused.graphs) == 3
+        x, out = products[1]
+        flip_bit(out, 7, 14)
+        assert float(fused(x, b, out, None, 1.0, 1.0, 6.0)) > 1.0
+
+
+def test_past_its_signature_limit_a_screen_runs_as_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    fused = FusedPerSignature(lambda t: t * 2, "test checks", max_signatures=1)
+    with torch.no_grad():
+        fused(torch.ones(4))
+        monkeypatch.setattr(fused, "_compile", _no_compiler)
+        y = fused(torch.ones(5))
+    assert len(fused.graphs) == 1 and not fused.failed and torch.equal(y, torch.full((5,), 2.0))
+
+
+def test_a_per_signature_compiler_that_fails_warns_once_and_runs_as_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fused = FusedPerSignature(lambda t: t * 2, "test checks")
+    monkeypatch.setattr(fused, "_compile", _no_compiler)
+    with pytest.warns(UserWarning, match="test checks run eagerly, compiling them failed"):
+        y = fused(torch.ones(4))
+    assert fused.failed and torch.equal(y, torch.full((4,), 2.0))
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        fused(torch.ones(6))
+    assert later == []
+
+
 def test_compile_screens_compiles_from_the_next_screen_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without it a fresh process runs its first screens op by op; after it, the next one runs
     compiled, and the count past which they compile is not lowered for what follows."""
     op, ops, out = _cases()["mm"]
     monkeypatch.setattr(sites, "_screens_run", 0)
-    fused, calls = sites._SCREENS[op], []
-    real = fused.compiled
-    monkeypatch.setattr(fused, "compiled", lambda *a: calls.append(1) or real(*a))
+    calls = _count_compiles(monkeypatch, _screens(op))
     sites.eager_screen(op, ops, out)
     assert calls == []
     sites.compile_screens()

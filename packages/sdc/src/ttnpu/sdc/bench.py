@@ -3,10 +3,12 @@
 ``python -m ttnpu.sdc.bench`` prints one JSON line. One bf16 model (attention, MLP and a top-1
 MoE layer whose experts run as ``torch._grouped_mm``; ``--dtype float32`` drops the MoE layer, as
 grouped mm takes bf16 only) is trained with SGD in every variant, interleaved step by step; the
-compiled pass checks the model's dtype. Steps are timed in process CPU
-time (all threads of this process, gloo's included), which other processes on a shared machine do
-not inflate, and each variant keeps its fastest round (interference only adds time). Each figure
-is that time divided by the one of its baseline (eager, or compiled without the pass):
+compiled pass checks the model's dtype. An eager variant's checks are entered around the
+forward and backward of a step, not its optimizer update, as ttnpu-trainer enters them. Steps are
+timed in process CPU time (all threads of this process, gloo's included), which other processes
+on a shared machine do not inflate, and each variant keeps its fastest round (interference only
+adds time). Each figure is that time divided by the one of its baseline (eager, or compiled
+without the pass):
 
 * ``eager_checksums``: :class:`ChecksumMode` over every matmul, forward and backward, timed
   once its screens are compiled (the warm-up compiles them: :func:`compile_screens`);
@@ -111,7 +113,8 @@ def _model(dim: int, layers: int, vocab: int, dtype: torch.dtype) -> nn.Module:
     return nn.Sequential(nn.Embedding(vocab, dim), *blocks, nn.Linear(dim, vocab)).to(dtype)
 
 
-Step = Callable[[], None]
+Context = Callable[[], contextlib.AbstractContextManager[Any]]
+Step = Callable[[Context], None]
 
 
 def _stepper(
@@ -120,12 +123,17 @@ def _stepper(
     tokens: torch.Tensor,
     after_backward: Callable[[], None] | None = None,
 ) -> Step:
+    """One training step whose forward and backward run inside ``context()``, as the trainer
+    enters its checks (the optimizer's update has no matmul to check)."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 
-    def step() -> None:
-        logits = fn(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
+    def step(context: Context) -> None:
+        with context():
+            logits = fn(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), tokens[:, 1:].flatten()
+            )
+            loss.backward()
         if after_backward is not None:
             after_backward()
         opt.step()
@@ -166,13 +174,10 @@ def _one_rank_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _time(
-    step: Step, steps: int, context: Callable[[], contextlib.AbstractContextManager[Any]]
-) -> float:
+def _time(step: Step, steps: int, context: Context) -> float:
     start = time.process_time()
     for _ in range(steps):
-        with context():
-            step()
+        step(context)
     return (time.process_time() - start) / steps
 
 
@@ -255,7 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     set_default_reporter(reporter)  # the compiled checks report through the default reporter
     with _one_rank_group():
         pass_step = variant(compiled=True, options=checksum_compile_options(dtypes=(dtype,)))
-        variants: dict[str, tuple[Step, Callable[[], contextlib.AbstractContextManager[Any]]]] = {
+        variants: dict[str, tuple[Step, Context]] = {
             "eager": (variant(), none),
             "eager_checksums": (variant(), lambda: eager_mode),
             "eager_checks_off": (variant(), lambda: intercept_mode),
@@ -270,15 +275,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         times: dict[str, list[float]] = {name: [] for name in variants}
         for step, context in variants.values():  # warm-up and compilation
-            with context():
-                step()
-                step()
+            step(context)
+            step(context)
         compile_screens()
         for name in ("eager_checksums", "eager_checksums_on_exit"):  # their screens compiled
             step, context = variants[name]
-            with context():
-                step()
-                step()
+            step(context)
+            step(context)
         checks = {"eager": eager_mode.stats.checked, "compiled": compiled_stats().checked}
         for _ in range(args.rounds):
             for name, (step, context) in variants.items():

@@ -21,7 +21,7 @@ from .checksum import (
     matmul_screen,
 )
 from .events import Reporter
-from .fused import Fused
+from .fused import FusedPerSignature
 
 __all__ = [
     "COVERED_OPS",
@@ -97,51 +97,27 @@ def screen(
     return matmul_screen(ops.a, ops.b, out, ops.bias, ops.alpha, ops.beta, sigmas, fused)
 
 
-# One compiled screen per op, each its own code object (its own Dynamo cache and recompile
-# limit). Eagerly a screen is ~10 small kernels, each reading its operand again (0.5 ms for a
-# 512x256x768 bf16 product on a CPU, half of the GEMM); compiled, one pass over each operand
-# (0.1 ms). Symbolic shapes: one graph for every product of a model, not one per shape.
-# Compiling all four takes about 5 s per process with a warm Inductor cache (25-30 s cold on this
-# 2-core CPU, more for a model of many operand layouts) and saves about 0.2 ms a screen there:
-# they compile after the process's 20,000th screen, about where that pays back, so a process
-# that checks a few steps (a test, a short run, sampled steps) runs them op by op.
-def _mm_screen(a: Tensor, b: Tensor, out: Tensor, sigmas: float, fused: bool = True) -> Tensor:
-    return matmul_screen(a, b, out, None, 1.0, 1.0, sigmas, fused)
-
-
-def _bmm_screen(a: Tensor, b: Tensor, out: Tensor, sigmas: float, fused: bool = True) -> Tensor:
-    return matmul_screen(a, b, out, None, 1.0, 1.0, sigmas, fused)
-
-
-def _addmm_screen(
-    a: Tensor,
-    b: Tensor,
-    out: Tensor,
-    bias: Tensor,
-    alpha: float,
-    beta: float,
-    sigmas: float,
-    fused: bool = True,
-) -> Tensor:
-    return matmul_screen(a, b, out, bias, alpha, beta, sigmas, fused)
-
-
-def _grouped_screen(
-    a: Tensor, b: Tensor, out: Tensor, offs: Tensor | None, bias: Tensor | None, sigmas: float
-) -> Tensor:
-    return grouped_mm_screen(a, b, out, offs, bias, sigmas, True)
-
-
 SCREENS_COMPILE_AFTER = 20_000
-"""Screens of one process run op by op until this many, then compiled (:class:`Fused`)."""
+"""Screens of one process run op by op until this many, then compiled
+(:class:`~ttnpu.sdc.fused.FusedPerSignature`)."""
 _screens_run = 0
+# Eagerly a screen is ~10 small kernels, each reading its operand again (0.5 ms for a
+# 512x256x768 bf16 product on a CPU, half of the GEMM); compiled, one pass over each operand
+# (0.08 ms), once per signature of the product (shapes, strides: a training step repeats its
+# few dozen every step) and called without Dynamo, whose per-call cost is as large as a small
+# product's whole screen. Compiling costs 1-2 s a signature on a 2-core CPU with Inductor's
+# cache cold: the screens compile after the process's first 20,000, so a process that checks a
+# few steps (a test, a short run, sampled steps) runs them op by op and a long one compiles
+# each signature once.
 _WHAT = "eager matmul screens"
-_SCREENS = {  # a compiled partial would share one code object (torch's wrapper) among all four
-    "mm": Fused(_mm_screen, _WHAT, eager=partial(_mm_screen, fused=False), dynamic=True),
-    "bmm": Fused(_bmm_screen, _WHAT, eager=partial(_bmm_screen, fused=False), dynamic=True),
-    "addmm": Fused(_addmm_screen, _WHAT, eager=partial(_addmm_screen, fused=False), dynamic=True),
-    "_grouped_mm": Fused(
-        _grouped_screen, _WHAT, eager=partial(grouped_mm_screen, fused=False), dynamic=True
+_SCREENS = {
+    "matmul": FusedPerSignature(
+        partial(matmul_screen, fused=True), _WHAT, eager=partial(matmul_screen, fused=False)
+    ),
+    "_grouped_mm": FusedPerSignature(
+        partial(grouped_mm_screen, fused=True),
+        _WHAT,
+        eager=partial(grouped_mm_screen, fused=False),
     ),
 }
 
@@ -158,19 +134,18 @@ def compile_screens() -> None:
 @torch.no_grad()
 def eager_screen(op: str, ops: Operands, out: Tensor, sigmas: float = SIGMAS) -> Tensor:
     """:func:`screen` of a product that has just run eagerly: compiled into one pass over each
-    operand where :class:`~ttnpu.sdc.fused.Fused` can, after the process's first
+    operand where :class:`~ttnpu.sdc.fused.FusedPerSignature` can, after the process's first
     :data:`SCREENS_COMPILE_AFTER` screens (operands detached: a check is not part of the
     autograd graph)."""
     global _screens_run
     _screens_run += 1
-    fused = _SCREENS[op] if _screens_run > SCREENS_COMPILE_AFTER else _SCREENS[op].eager
+    fused = _SCREENS["_grouped_mm" if op == "_grouped_mm" else "matmul"]
+    run = fused if _screens_run > SCREENS_COMPILE_AFTER else fused.eager
     a, b, out = ops.a.detach(), ops.b.detach(), out.detach()
-    if op == "addmm":
-        return fused(a, b, out, ops.bias.detach(), ops.alpha, ops.beta, sigmas)
+    bias = None if ops.bias is None else ops.bias.detach()
     if op == "_grouped_mm":
-        bias = None if ops.bias is None else ops.bias.detach()
-        return fused(a, b, out, ops.offs, bias, sigmas)
-    return fused(a, b, out, sigmas)
+        return run(a, b, out, ops.offs, bias, sigmas)
+    return run(a, b, out, bias, ops.alpha, ops.beta, sigmas)
 
 
 def check_and_report(
