@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ttnpu.sdc import comm, flip_bit, sites
 from ttnpu.sdc.checksum import matmul_screen
@@ -165,3 +167,25 @@ def test_compile_screens_compiles_from_the_next_screen_on(monkeypatch: pytest.Mo
     value = sites.eager_screen(op, ops, out)
     assert calls == [1] and float(value) <= 1.0
     assert sites._screens_run == sites.SCREENS_COMPILE_AFTER + 1
+
+
+class _Recording(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[object] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_mode_around_the_checked_op_sees_neither_the_compiler_nor_the_compiled_screen() -> None:
+    """A fault-injection mode outside the checks (drills) must not reach the compiler's own
+    tracing and benchmarking ops, nor the screen's kernels."""
+    fused = FusedPerSignature(partial(matmul_screen, fused=True), "test screens")
+    a, b = torch.randn(48, 64, dtype=bf), torch.randn(64, 40, dtype=bf)
+    with torch.no_grad(), _Recording() as outer:
+        first = fused(a, b, a @ b, None, 1.0, 1.0, 6.0)  # compiles
+        fused(a, b, a @ b, None, 1.0, 1.0, 6.0)
+    assert len(fused.graphs) == 1 and float(first) <= 1.0
+    assert outer.ops == [torch.ops.aten.mm.default] * 2, outer.ops[:5]  # the two products only

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["Fused", "FusedPerSignature"]
 
@@ -132,6 +133,7 @@ class FusedPerSignature(_Compiled):
             it = iter(given)
             return self.fn(*(next(it) if isinstance(a, Tensor) else a for a in args))
 
-        graph = make_fx(with_constants, tracing_mode="fake")(*tensors)
-        compiled: Callable[..., Tensor] = torch._inductor.compile(graph, tensors)
+        with _disable_current_modes():  # a mode around the checked op sees none of the compiler
+            graph = make_fx(with_constants, tracing_mode="fake")(*tensors)
+            compiled: Callable[..., Tensor] = torch._inductor.compile(graph, tensors)
         return compiled
