@@ -55,20 +55,12 @@ class _Compiled:
 
 class Fused(_Compiled):
     """``fn`` through :func:`torch.compile` where Inductor can compile it (see
-    :class:`_Compiled`). ``dynamic`` is :func:`torch.compile`'s: ``True`` for checks that see
-    many shapes (one graph for every matmul of a model instead of one per shape); ``eager``,
-    the same computation written for eager execution, where it differs (default: ``fn``)."""
+    :class:`_Compiled`), as written elsewhere: for a check called a few times a step, whose
+    inputs' shapes vary (collective buckets), where Dynamo's per-call cost does not matter."""
 
-    def __init__(
-        self,
-        fn: Callable[..., Tensor],
-        what: str,
-        *,
-        eager: Callable[..., Tensor] | None = None,
-        dynamic: bool | None = None,
-    ) -> None:
-        super().__init__(what, eager or fn)
-        self.compiled: Callable[..., Tensor] = torch.compile(fn, dynamic=dynamic)
+    def __init__(self, fn: Callable[..., Tensor], what: str) -> None:
+        super().__init__(what, fn)
+        self.compiled: Callable[..., Tensor] = torch.compile(fn)
 
     def _run_compiled(self, *args: Any) -> Tensor:
         try:
