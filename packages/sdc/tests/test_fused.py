@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from functools import partial
 from typing import Any
 
@@ -189,3 +191,17 @@ def test_a_mode_around_the_checked_op_sees_neither_the_compiler_nor_the_compiled
         fused(a, b, a @ b, None, 1.0, 1.0, 6.0)
     assert len(fused.graphs) == 1 and float(first) <= 1.0
     assert outer.ops == [torch.ops.aten.mm.default] * 2, outer.ops[:5]  # the two products only
+
+
+def test_a_compiled_screen_keeps_none_of_the_tensors_it_was_compiled_for() -> None:
+    """At scale a product is hundreds of MB: the graphs cached per signature must not hold the
+    first call's operands alive."""
+    fused = FusedPerSignature(partial(matmul_screen, fused=True), "test screens")
+    a, b = torch.randn(48, 64, dtype=bf), torch.randn(64, 40, dtype=bf)
+    out = a @ b
+    alive = [weakref.ref(t) for t in (a, b, out)]
+    with torch.no_grad():
+        fused(a, b, out, None, 1.0, 1.0, 6.0)
+    del a, b, out
+    gc.collect()
+    assert len(fused.graphs) == 1 and [ref() for ref in alive] == [None, None, None]

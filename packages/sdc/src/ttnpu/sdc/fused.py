@@ -86,7 +86,7 @@ class FusedPerSignature(_Compiled):
     frame, guards or wrappers, and no tensors made of float arguments. For a check that runs
     tens of times a step over a few shapes, where those cost more than the check: on a CPU, a
     screen compiled this way costs 12 µs a call beyond its kernels, 37 µs through
-    ``torch.compile(dynamic=True)``. Compiling costs about 1.5 s per signature on a 2-core CPU
+    ``torch.compile(dynamic=True)``. Compiling costs 1-2 s per signature on a 2-core CPU
     (far less once Inductor's cache on disk holds it); past ``max_signatures`` of them, further
     signatures run ``eager`` (default: ``fn``). Call it under :func:`torch.no_grad`: a check is
     no part of the autograd graph."""
