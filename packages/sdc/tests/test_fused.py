@@ -84,7 +84,7 @@ def _screens(op: str) -> FusedPerSignature:
     return sites._SCREENS["_grouped_mm" if op == "_grouped_mm" else "matmul"]
 
 
-def _count_compiles(monkeypatch: pytest.MonkeyPatch, fused: FusedPerSignature) -> list[int]:
+def _count_compiled_calls(monkeypatch: pytest.MonkeyPatch, fused: FusedPerSignature) -> list[int]:
     calls: list[int] = []
     real = fused._run_compiled
     monkeypatch.setattr(fused, "_run_compiled", lambda *a: calls.append(1) or real(*a))
@@ -100,7 +100,7 @@ def test_the_eager_screen_equals_the_reference_screen_and_catches_a_flip(
     op, ops, out = _cases()[case]
     monkeypatch.setattr(sites, "SCREENS_COMPILE_AFTER", 0 if compiled else 10**9)
     fused = _screens(op)
-    calls = _count_compiles(monkeypatch, fused)
+    calls = _count_compiled_calls(monkeypatch, fused)
     if not compiled:
         monkeypatch.setattr(fused, "_compile", _no_compiler)
     value, reference = sites.eager_screen(op, ops, out), sites.screen(op, ops, out)
@@ -162,7 +162,7 @@ def test_compile_screens_compiles_from_the_next_screen_on(monkeypatch: pytest.Mo
     compiled, and the count past which they compile is not lowered for what follows."""
     op, ops, out = _cases()["mm"]
     monkeypatch.setattr(sites, "_screens_run", 0)
-    calls = _count_compiles(monkeypatch, _screens(op))
+    calls = _count_compiled_calls(monkeypatch, _screens(op))
     sites.eager_screen(op, ops, out)
     assert calls == []
     sites.compile_screens()
