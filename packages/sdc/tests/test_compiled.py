@@ -11,6 +11,7 @@ import torch._inductor.config as inductor_config
 from torch import nn
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ttnpu.sdc import (
     BitFlip,
@@ -24,7 +25,7 @@ from ttnpu.sdc import (
     install_checksum_pass,
     uninstall_checksum_pass,
 )
-from ttnpu.sdc.compiled import CHECK_OP
+from ttnpu.sdc.compiled import CHECK_GRAPH_OP, CHECK_OP, ChecksumGraphPass
 from ttnpu.sdc.sites import COVERED_OPS
 
 
@@ -157,3 +158,64 @@ def test_dynamic_shapes_compile_the_screen_symbolically_and_catch_a_flip(veto: V
     (event,) = veto.take()
     assert event.confirmed and event.where.startswith("addmm:forward:")
     assert options["post_grad_custom_post_pass"].graphs == 2  # one forward, one backward graph
+
+
+def test_graph_verdicts_read_each_graph_once_and_report_a_flip_unconfirmed(
+    veto: VetoFlag,
+) -> None:
+    """``verdicts="graph"``: one ``check_graph`` per graph after its last screen, no op per
+    product; a clean step checks every product, switched off none, and a flip is reported as an
+    unconfirmed suspect of the product it hit (an exponent bit that keeps what follows finite:
+    a product of non-finite values is a suspect too, which only a re-run can clear)."""
+    torch.manual_seed(2)
+    model = _Experts().bfloat16()
+    ours = ChecksumGraphPass(fault_injection=True, verdicts="graph")
+    inspect = _Inspect(ours)
+    fn = torch.compile(model, fullgraph=True, options={"post_grad_custom_post_pass": inspect})
+    x = torch.randn(32, 32, dtype=torch.bfloat16)
+    with inductor_config.patch(fx_graph_cache=False):
+        before = compiled_stats().checked
+        _step(fn, x)
+        assert compiled_stats().checked - before == len(inspect.sites) == ours.inserted == 8
+        assert not any(checked for _, checked in inspect.sites)  # no per-product op
+        assert not veto.take()
+        checksum_switch.off()
+        _step(fn, x)
+        assert compiled_stats().checked - before == 8
+        checksum_switch.on()
+        plan = FaultPlan([BitFlip(index=5, bit=11)], ops=frozenset({"mm"}), phase="forward")
+        arm_compiled_fault(plan)
+        try:
+            _step(fn, x)
+        finally:
+            disarm_compiled_fault()
+    assert plan.fired == 1 and ours.graphs == 2
+    (event,) = veto.take()
+    assert event.kind == "matmul" and not event.confirmed
+    assert event.where.startswith("mm:forward:") and event.magnitude > 1
+    assert event.detail == {"op": "mm", "verdict": "suspect", "dtype": "torch.bfloat16",
+                            "shape": "32x32"}  # fmt: skip
+
+
+def test_graph_verdicts_put_one_check_after_the_graphs_last_screen() -> None:
+    graph = torch.fx.symbolic_trace(lambda a, b: torch.relu(a @ b) @ b).graph
+    with FakeTensorMode():  # a post-grad graph's ops and fake values
+        for node in graph.nodes:
+            if node.op in ("placeholder", "call_function"):
+                node.meta["val"] = torch.empty(8, 8, dtype=torch.bfloat16)
+            if node.op == "call_function":
+                relu = node.target is torch.relu
+                node.target = torch.ops.aten.relu.default if relu else torch.ops.aten.mm.default
+    ChecksumGraphPass(verdicts="graph")(graph)
+    graph.lint()  # every node after what it uses
+    nodes = list(graph.nodes)
+    (check,) = [n for n in nodes if n.target is CHECK_GRAPH_OP]
+    mms = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    assert len(mms) == 2 and nodes.index(check) > nodes.index(mms[1])
+    assert check.args[1] == ["mm:forward:matmul", "mm:forward:matmul_1"]
+    assert not [n for n in nodes if n.target is CHECK_OP]
+
+
+def test_unknown_verdicts_are_refused() -> None:
+    with pytest.raises(ValueError, match="verdicts must be 'each' or 'graph', got 'step'"):
+        checksum_compile_options(verdicts="step")  # type: ignore[arg-type]

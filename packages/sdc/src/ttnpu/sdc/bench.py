@@ -20,6 +20,8 @@ without the pass):
   under ``eager_checksums`` for any check made after the op;
 * ``compiled_checksums``: the Inductor pass with checks on; ``compiled_checks_off`` with the
   pass compiled in but switched off (the fused screen still runs, the verdict is not read);
+  ``compiled_checksums_per_graph``: the pass with ``verdicts="graph"``, one verdict call per
+  graph instead of one per product;
 * ``gradient_detection``: :class:`GradientDetector` at every step (sampling interval 3);
 * ``comm_checks``: the gradients, views of one flat bucket as under DDP's
   ``gradient_as_bucket_view``, all-reduced through :class:`CollectiveChecker` instead of plain
@@ -260,6 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     set_default_reporter(reporter)  # the compiled checks report through the default reporter
     with _one_rank_group():
         pass_step = variant(compiled=True, options=checksum_compile_options(dtypes=(dtype,)))
+        graph_options = checksum_compile_options(dtypes=(dtype,), verdicts="graph")
         variants: dict[str, tuple[Step, Context]] = {
             "eager": (variant(), none),
             "eager_checksums": (variant(), lambda: eager_mode),
@@ -272,6 +275,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "compiled": (variant(compiled=True), none),
             "compiled_checksums": (pass_step, none),
             "compiled_checks_off": (pass_step, none),
+            "compiled_checksums_per_graph": (variant(compiled=True, options=graph_options), none),
         }
         times: dict[str, list[float]] = {name: [] for name in variants}
         for step, context in variants.values():  # warm-up and compilation
@@ -282,18 +286,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             step, context = variants[name]
             step(context)
             step(context)
-        checks = {"eager": eager_mode.stats.checked, "compiled": compiled_stats().checked}
+        counted = {"compiled_checksums": "compiled", "compiled_checksums_per_graph": "per_graph"}
+        checked = dict.fromkeys(counted.values(), 0)
+        eager_before = eager_mode.stats.checked
         for _ in range(args.rounds):
             for name, (step, context) in variants.items():
                 if name == "compiled_checks_off":
                     checksum_switch.off()
+                before = compiled_stats().checked
                 times[name].append(_time(step, args.steps, context))
                 checksum_switch.on()
+                if name in counted:
+                    checked[counted[name]] += compiled_stats().checked - before
+        checked["eager"] = eager_mode.stats.checked - eager_before
         steps = args.rounds * args.steps
-        checks = {
-            "eager": (eager_mode.stats.checked - checks["eager"]) / steps,
-            "compiled": (compiled_stats().checked - checks["compiled"]) / steps,
-        }
+        checks = {name: n / steps for name, n in checked.items()}
     med = {name: min(t) for name, t in times.items()}
 
     def ratio(name: str, baseline: str) -> float:
@@ -318,6 +325,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eager_checksums_on_exit": ratio("eager_checksums_on_exit", "eager"),
         "compiled_checksums": ratio("compiled_checksums", "compiled"),
         "compiled_checks_off": ratio("compiled_checks_off", "compiled"),
+        "compiled_checksums_per_graph": ratio("compiled_checksums_per_graph", "compiled"),
         "gradient_detection": ratio("gradient_detection", "eager"),
         "comm_checks": ratio("allreduce_checked", "allreduce"),
         "escalation": round(escalation_cost, 4),
@@ -325,6 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "eager_checksums": 1.0,
             "eager_checksums_on_exit": 1.0,
             "compiled_checksums": 1.0,
+            "compiled_checksums_per_graph": 1.0,
             "escalation": args.sample_steps,
             "gradient_detection": 0.0,
         },

@@ -9,10 +9,16 @@ reductions into its own kernels, one pass over each operand, and over the produc
 the product's other readers where their loops match. Then
 ``ttnpu_sdc::check_matmul(screen, out, a, b, bias, offs, op, site, alpha, beta)`` reads the
 screen's verdict (one 0-d value) and only a result that does not pass goes through the full
-check, recomputation and report. That op asks :data:`~ttnpu.sdc.checksum_switch` at every call
-whether to read the verdict: switching checks on or off never recompiles, and while they are off
-the graph still pays the fused screen (``compiled_checks_off`` in ``python -m ttnpu.sdc.bench``),
-not the verdict's host synchronisation. Nothing here is device-specific: the same ops and pass run
+check, recomputation and report (``verdicts="each"``). With ``verdicts="graph"`` there is one
+such op per graph instead, ``ttnpu_sdc::check_graph(screens, sites)`` after the graph's last
+screen: one call and one host synchronisation per graph instead of one per product (a training
+step's forward and backward graphs hold dozens of products: on an accelerator each sync drains
+its queue), and a product that fails is reported unconfirmed (its operands are gone by then;
+re-running the step under ``"each"`` confirms, as a trainer re-runs any vetoed step). Either op
+asks :data:`~ttnpu.sdc.checksum_switch` at every call whether to read the verdicts (per product
+or per graph): switching checks on or off never recompiles, and while they are off the graph
+still pays the fused screens (``compiled_checks_off`` in ``python -m ttnpu.sdc.bench``), not the
+verdicts' host synchronisation. Nothing here is device-specific: the same ops and pass run
 wherever Inductor does (CPU, CUDA, NPU through torch_npu's Inductor backend).
 
 Graphs compiled with ``fault_injection=True`` also get ``ttnpu_sdc::inject(out, op, site)`` right
@@ -26,7 +32,7 @@ import contextlib
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch._inductor.config as inductor_config
@@ -37,7 +43,15 @@ from torch._inductor.pattern_matcher import fwd_only
 
 from .events import default_reporter
 from .inject import compiled_fault
-from .sites import COVERED_OPS, CheckStats, Operands, check_and_report, operands, screen
+from .sites import (
+    COVERED_OPS,
+    CheckStats,
+    Operands,
+    check_and_report,
+    operands,
+    report_suspect,
+    screen,
+)
 from .switch import checksum_switch
 
 __all__ = [
@@ -98,6 +112,32 @@ def _(*args: Any) -> None:
     return None
 
 
+_LIB.define("check_graph(Tensor(a!) screens, str[] sites, str[] dtypes, str[] shapes) -> ()")
+
+
+def _check_graph_op(
+    screens: Tensor, sites: list[str], dtypes: list[str], shapes: list[str]
+) -> None:
+    """A graph's screens (1-D, one per product, in graph order) read with one host sync; each
+    product that fails is reported unconfirmed."""
+    if not checksum_switch.should_check():
+        return
+    _stats.checked += len(sites)
+    reporter = default_reporter()
+    for value, site, dtype, shape in zip(screens.tolist(), sites, dtypes, shapes, strict=True):
+        if not value <= 1.0:  # NaN too
+            op = site.split(":", 1)[0]
+            report_suspect(reporter, _stats, site, value, op=op, dtype=dtype, shape=shape)
+
+
+_LIB.impl("check_graph", _check_graph_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ttnpu_sdc::check_graph", lib=_LIB)
+def _(*args: Any) -> None:
+    return None
+
+
 _LIB.define("inject(Tensor(a!) out, str op, str site) -> ()")
 
 
@@ -114,6 +154,10 @@ def _(*args: Any) -> None:
 
 
 CHECK_OP = torch.ops.ttnpu_sdc.check_matmul.default
+CHECK_GRAPH_OP = torch.ops.ttnpu_sdc.check_graph.default
+CONVERT_OP = torch.ops.prims.convert_element_type.default
+VIEW_OP = torch.ops.aten.view.default
+CAT_OP = torch.ops.aten.cat.default
 INJECT_OP = torch.ops.ttnpu_sdc.inject.default
 
 
@@ -138,15 +182,27 @@ def _inline_screen(graph: torch.fx.Graph, op: str, o: Operands, out: torch.fx.No
     return graph.graph_copy(sub.graph, dict(zip(placeholders, nodes, strict=True)))
 
 
+Verdicts = Literal["each", "graph"]
+
+
 class ChecksumGraphPass(CustomGraphPass):
     """Post-grad pass compiling a checksum after covered matmuls of the selected dtypes (and, with
-    ``fault_injection``, the hook :func:`~ttnpu.sdc.arm_compiled_fault` corrupts products at)."""
+    ``fault_injection``, the hook :func:`~ttnpu.sdc.arm_compiled_fault` corrupts products at).
+    ``verdicts``: read each product's screen after it (``"each"``, a suspect confirmed on the
+    spot) or all of a graph's screens at once after its last (``"graph"``, a suspect reported
+    unconfirmed); see the module docstring."""
 
     def __init__(
-        self, dtypes: Iterable[torch.dtype] = (torch.bfloat16,), fault_injection: bool = False
+        self,
+        dtypes: Iterable[torch.dtype] = (torch.bfloat16,),
+        fault_injection: bool = False,
+        verdicts: Verdicts = "each",
     ) -> None:
+        if verdicts not in ("each", "graph"):
+            raise ValueError(f"checksum pass: verdicts must be 'each' or 'graph', got {verdicts!r}")
         self.dtypes = frozenset(dtypes)
         self.fault_injection = fault_injection
+        self.verdicts = verdicts
         self.graphs = 0
         self.inserted = 0
 
@@ -156,6 +212,7 @@ class ChecksumGraphPass(CustomGraphPass):
             n.op == "placeholder" and str(n.target).startswith("tangents") for n in graph.nodes
         )
         phase = "backward" if backward else "forward"
+        screens: list[tuple[torch.fx.Node, str, Tensor]] = []
         for node in list(graph.nodes):
             op = COVERED_OPS.get(node.target) if node.op == "call_function" else None
             val = node.meta.get("val")
@@ -167,11 +224,41 @@ class ChecksumGraphPass(CustomGraphPass):
                 if self.fault_injection:
                     graph.call_function(INJECT_OP, (node, op, site)).meta["val"] = None
                 screened = _inline_screen(graph, op, o, node)
-                check = graph.call_function(
-                    CHECK_OP, (screened, node, o.a, o.b, o.bias, o.offs, op, site, o.alpha, o.beta)
-                )
-            check.meta["val"] = None
+                if self.verdicts == "each":
+                    check = graph.call_function(
+                        CHECK_OP,
+                        (screened, node, o.a, o.b, o.bias, o.offs, op, site, o.alpha, o.beta),
+                    )
+                    check.meta["val"] = None
+            screens.append((screened, f"{op}:{site}", val))
             self.inserted += 1
+        if self.verdicts == "graph" and screens:
+            self._check_graph(graph, screens)
+
+    @staticmethod
+    def _check_graph(graph: torch.fx.Graph, screens: list[tuple[Any, str, Tensor]]) -> None:
+        """One ``check_graph`` after the last screen, on the screens stacked into one vector."""
+        values = []
+        with graph.inserting_before(screens[-1][0].next):  # in order, after the last screen
+            for node, *_ in screens:
+                val = node.meta["val"]
+                if val.dtype != torch.float32:  # the screen of an fp64 product
+                    node = graph.call_function(CONVERT_OP, (node, torch.float32))
+                    node.meta["val"] = val = val.float()
+                values.append(graph.call_function(VIEW_OP, (node, [1])))
+                values[-1].meta["val"] = val.view(1)
+            stacked = graph.call_function(CAT_OP, (values,))
+            stacked.meta["val"] = torch.cat([v.meta["val"] for v in values])
+            check = graph.call_function(
+                CHECK_GRAPH_OP,
+                (
+                    stacked,
+                    [where for _, where, _ in screens],
+                    [str(val.dtype) for *_, val in screens],
+                    ["x".join(map(str, val.shape)) for *_, val in screens],
+                ),
+            )
+        check.meta["val"] = None
 
     def uuid(self) -> Any:
         """Changes with the sources of what the pass inserts and with the options, so Inductor's
@@ -180,7 +267,8 @@ class ChecksumGraphPass(CustomGraphPass):
             Path(__file__).with_name(name).read_bytes()
             for name in ("compiled.py", "sites.py", "checksum.py")  # what the screen traces
         )
-        options = ",".join(sorted(str(d) for d in self.dtypes)) + f",{self.fault_injection}"
+        dtypes = ",".join(sorted(str(d) for d in self.dtypes))
+        options = f"{dtypes},{self.fault_injection},{self.verdicts}"
         return hashlib.sha256(sources + options.encode()).hexdigest()
 
 
@@ -203,7 +291,9 @@ _previous: Any = None
 
 
 def install_checksum_pass(
-    dtypes: Iterable[torch.dtype] = (torch.bfloat16,), fault_injection: bool = False
+    dtypes: Iterable[torch.dtype] = (torch.bfloat16,),
+    fault_injection: bool = False,
+    verdicts: Verdicts = "each",
 ) -> ChecksumGraphPass:
     """Add the checksum pass to ``torch._inductor.config.post_grad_custom_post_pass``.
 
@@ -217,14 +307,16 @@ def install_checksum_pass(
     if isinstance(current, (ChecksumGraphPass, _Chain)):
         uninstall_checksum_pass()
         current = inductor_config.post_grad_custom_post_pass
-    ours = ChecksumGraphPass(dtypes, fault_injection)
+    ours = ChecksumGraphPass(dtypes, fault_injection, verdicts)
     _previous = current
     inductor_config.post_grad_custom_post_pass = ours if current is None else _Chain(current, ours)
     return ours
 
 
 def checksum_compile_options(
-    dtypes: Iterable[torch.dtype] = (torch.bfloat16,), fault_injection: bool = False
+    dtypes: Iterable[torch.dtype] = (torch.bfloat16,),
+    fault_injection: bool = False,
+    verdicts: Verdicts = "each",
 ) -> dict[str, Any]:
     """Inductor options that instrument one ``torch.compile`` call only.
 
@@ -232,7 +324,7 @@ def checksum_compile_options(
     compiled code in the process stays as it is (Dynamo keeps separate cache entries per backend,
     so an uninstrumented compilation of the same code is never reused for it, nor the reverse).
     """
-    return {"post_grad_custom_post_pass": ChecksumGraphPass(dtypes, fault_injection)}
+    return {"post_grad_custom_post_pass": ChecksumGraphPass(dtypes, fault_injection, verdicts)}
 
 
 def uninstall_checksum_pass() -> None:

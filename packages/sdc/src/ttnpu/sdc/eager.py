@@ -33,6 +33,7 @@ from .sites import (
     current_phase,
     eager_screen,
     operands,
+    report_suspect,
 )
 from .switch import ChecksumSwitch, checksum_switch
 
@@ -71,7 +72,7 @@ class ChecksumMode(TorchDispatchMode):
             )
         self.verdicts = verdicts
         # screen, where, op, the product's dtype and shape
-        self._pending: list[tuple[Tensor, str, str, torch.dtype, torch.Size]] = []
+        self._pending: list[tuple[Tensor, str, str, str, str]] = []
         self.track_modules = track_modules
         self._tracker: ModuleTracker | None = None
         self.reporter = reporter
@@ -108,19 +109,7 @@ class ChecksumMode(TorchDispatchMode):
         failed = [(v, p) for v, p in zip(values, pending, strict=True) if not v <= 1.0]  # NaN too
         reporter = self.reporter or default_reporter()
         for value, (_, where, op, dtype, shape) in failed:
-            self.stats.suspects += 1
-            reporter.report(
-                "matmul",
-                where,
-                magnitude=value,
-                confirmed=False,
-                detail={
-                    "op": op,
-                    "verdict": "suspect",
-                    "dtype": str(dtype),
-                    "shape": "x".join(map(str, shape)),
-                },
-            )
+            report_suspect(reporter, self.stats, where, value, op=op, dtype=dtype, shape=shape)
         return len(failed)
 
     def _module(self) -> str:
@@ -150,7 +139,8 @@ class ChecksumMode(TorchDispatchMode):
         if self.verdicts == "on_exit":
             self.stats.checked += 1
             screened = eager_screen(op, operands(op, args, kwargs), out, self.sigmas)
-            self._pending.append((screened, where, op, out.dtype, out.shape))
+            shape = "x".join(map(str, out.shape))
+            self._pending.append((screened, where, op, str(out.dtype), shape))
             return out
         check_and_report(
             op,

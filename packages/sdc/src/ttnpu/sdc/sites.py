@@ -32,6 +32,7 @@ __all__ = [
     "current_phase",
     "eager_screen",
     "operands",
+    "report_suspect",
     "screen",
 ]
 
@@ -194,3 +195,26 @@ def check_and_report(
                 "shape": "x".join(map(str, out.shape)),
             },
         )
+
+
+def report_suspect(
+    reporter: Reporter,
+    stats: CheckStats,
+    where: str,
+    magnitude: float,
+    *,
+    op: str,
+    dtype: str,
+    shape: str,
+) -> None:
+    """Report a product whose screen failed after its operands are gone: an unconfirmed
+    ``matmul`` event (``verdict`` "suspect"), for a re-run under per-product verdicts to
+    confirm."""
+    stats.suspects += 1
+    reporter.report(
+        "matmul",
+        where,
+        magnitude=magnitude,
+        confirmed=False,
+        detail={"op": op, "verdict": "suspect", "dtype": dtype, "shape": shape},
+    )
