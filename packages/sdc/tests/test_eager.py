@@ -17,6 +17,7 @@ from ttnpu.sdc import (
     SDCError,
     VetoFlag,
 )
+from ttnpu.sdc.bench import _MoE
 
 Intercept = Literal["all_ops", "matmuls"]
 
@@ -201,10 +202,9 @@ def test_intercepted_products_go_to_the_window_of_their_thread() -> None:
     assert checked == {1: 2, 3: 6}  # addmm forward, the weight gradient's mm per step
 
 
-def test_compiled_code_in_a_window_is_checked_through_a_dispatch_mode_only() -> None:
-    """Dynamo runs compiled code eagerly under a dispatch mode, so ``"all_ops"`` checks its
-    products; through the matmuls' key the compiled kernels are not seen (hence ttnpu-trainer's
-    choice for compiled models, and the compiled pass)."""
+def test_compiled_code_in_a_window_is_checked_either_way() -> None:
+    """Through the matmuls' key the compiled kernels' ``out=`` products are checked as they run
+    compiled; under a dispatch mode Dynamo runs the code eagerly, and its products are checked."""
     fn = torch.compile(lambda a: (a @ a).relu())
     x = torch.randn(8, 8)
     fn(x)
@@ -213,4 +213,17 @@ def test_compiled_code_in_a_window_is_checked_through_a_dispatch_mode_only() -> 
         with ChecksumMode(intercept=intercept) as mode:  # type: ignore[arg-type]
             fn(x)
         checked[intercept] = mode.stats.checked
-    assert checked == {"all_ops": 1, "matmuls": 0}
+    assert checked == {"all_ops": 1, "matmuls": 1}
+
+
+def test_products_inside_a_covered_kernel_are_not_checked_again() -> None:
+    """A CPU grouped mm runs one ``mm`` per group inside its kernel: through the matmuls' key
+    the experts' products are checked as the dispatch mode checks them, once each."""
+    moe = _MoE(32, 4).bfloat16()
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    checked = {}
+    for intercept in ("all_ops", "matmuls"):
+        with ChecksumMode(intercept=intercept) as mode:  # type: ignore[arg-type]
+            moe(x).float().sum().backward()
+        checked[intercept] = mode.stats.checked
+    assert checked == {"all_ops": 9, "matmuls": 9}  # router, 2 grouped mm; their gradients

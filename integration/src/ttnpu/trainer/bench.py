@@ -115,7 +115,6 @@ def main(argv: list[str] | None = None) -> None:
                 trainer.model_parts[0],
                 replica_id=0,
                 events_path=Path(folder) / "sdc_events.jsonl",
-                compiled=default.intercept == "all_ops",
             )
             variants: dict[str, SDCGuard | None] = {
                 "trainer": default,

@@ -63,15 +63,10 @@ class SDCGuard:
         replica_id: int,
         events_path: Path,
         rank: int | None = None,
-        compiled: bool = False,
     ) -> None:
         """``rank`` stamps the events (default: ``replica_id``): the rank's position in the
-        whole job, over all replica groups. ``compiled``: the model runs ``torch.compile``d
-        code, whose products only a dispatch mode sees (Dynamo runs the code eagerly under
-        one); otherwise the checks intercept the matmuls alone (``intercept="matmuls"``), and
-        the step's other ops pay nothing."""
+        whole job, over all replica groups."""
         self.config = config
-        self.intercept: Literal["all_ops", "matmuls"] = "all_ops" if compiled else "matmuls"
         self.replica_id = replica_id
         sample = config.checksum_sample_steps if config.checksums == "escalate" else 0.0
         self.switch = ChecksumSwitch(on=config.checksums == "always", sample_steps=sample)
@@ -177,12 +172,7 @@ class SDCGuard:
                 per_step = attempt == 1 and self.config.checksum_verdicts == "step"
                 verdicts: Literal["each", "on_exit"] = "on_exit" if per_step else "each"
                 stack.enter_context(
-                    ChecksumMode(
-                        reporter=self.reporter,
-                        switch=_ALWAYS,
-                        verdicts=verdicts,
-                        intercept=self.intercept,
-                    )
+                    ChecksumMode(reporter=self.reporter, switch=_ALWAYS, verdicts=verdicts)
                 )
             yield
             if plan is not None:

@@ -250,7 +250,6 @@ class DSV4Trainer(Trainer):
                 rank=self.replica_id * torch.distributed.get_world_size()
                 + torch.distributed.get_rank(),
                 events_path=run / "sdc_events.jsonl",
-                compiled=config.compile.enable and "model" in config.compile.components,
             )
             if config.sdc.enable
             else None

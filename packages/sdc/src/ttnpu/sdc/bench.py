@@ -15,11 +15,12 @@ without the pass):
 * ``eager_checksums_on_exit``: the same, its verdicts read once per step
   (``verdicts="on_exit"``: one host sync per step instead of one per product, which a CPU does
   not feel and an accelerator's queue does);
-* ``eager_checksums_matmuls_only``: the same checks seen through the dispatcher key that only
-  the covered matmuls take (``intercept="matmuls"``), instead of a dispatch mode over every op;
-* ``eager_checks_off``: the eager checks' dispatch mode with its switch off, so every aten op
-  still passes through it but no product is screened: the interception's own cost, the floor
-  under ``eager_checksums`` for any check made after the op;
+* ``eager_checksums_all_ops``: the same checks seen through a dispatch mode over every aten op
+  (``intercept="all_ops"``) instead of the dispatcher key that only the covered matmuls take;
+* ``eager_checks_off``: the eager checks' window with its switch off, so every covered matmul
+  still passes through it but none is screened: the interception's own cost (the key in the
+  thread's dispatch keys, the matmuls' Python kernel), the floor under ``eager_checksums`` for
+  any check made after the op;
 * ``compiled_checksums``: the Inductor pass with checks on; ``compiled_checks_off`` with the
   pass compiled in but switched off (the fused screen still runs, the verdict is not read);
   ``compiled_checksums_per_graph``: the pass with ``verdicts="graph"``, one verdict call per
@@ -261,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     eager_mode = ChecksumMode(reporter=reporter)
     intercept_mode = ChecksumMode(reporter=reporter, switch=ChecksumSwitch(on=False))
     on_exit_mode = ChecksumMode(reporter=reporter, verdicts="on_exit")
-    matmuls_mode = ChecksumMode(reporter=reporter, intercept="matmuls")
+    all_ops_mode = ChecksumMode(reporter=reporter, intercept="all_ops")
     set_default_reporter(reporter)  # the compiled checks report through the default reporter
     with _one_rank_group():
         pass_step = variant(compiled=True, options=checksum_compile_options(dtypes=(dtype,)))
@@ -271,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "eager_checksums": (variant(), lambda: eager_mode),
             "eager_checks_off": (variant(), lambda: intercept_mode),
             "eager_checksums_on_exit": (variant(), lambda: on_exit_mode),
-            "eager_checksums_matmuls_only": (variant(), lambda: matmuls_mode),
+            "eager_checksums_all_ops": (variant(), lambda: all_ops_mode),
             "gradient_detection": (variant(gradient), none),
             "escalation": (variant(escalation), escalated),
             "allreduce": (variant(plain_allreduce), none),
@@ -286,13 +287,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             step(context)
             step(context)
         compile_screens()
-        for name in ("eager_checksums", "eager_checksums_on_exit", "eager_checksums_matmuls_only"):
+        for name in ("eager_checksums", "eager_checksums_on_exit", "eager_checksums_all_ops"):
             step, context = variants[name]
             step(context)
             step(context)
         counted = {"compiled_checksums": "compiled", "compiled_checksums_per_graph": "per_graph"}
         checked = dict.fromkeys(counted.values(), 0)
-        eager_before = eager_mode.stats.checked, matmuls_mode.stats.checked
+        eager_before = eager_mode.stats.checked, all_ops_mode.stats.checked
         for _ in range(args.rounds):
             for name, (step, context) in variants.items():
                 if name == "compiled_checks_off":
@@ -303,7 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if name in counted:
                     checked[counted[name]] += compiled_stats().checked - before
         checked["eager"] = eager_mode.stats.checked - eager_before[0]
-        checked["eager_matmuls_only"] = matmuls_mode.stats.checked - eager_before[1]
+        checked["eager_all_ops"] = all_ops_mode.stats.checked - eager_before[1]
         steps = args.rounds * args.steps
         checks = {name: n / steps for name, n in checked.items()}
     med = {name: min(t) for name, t in times.items()}
@@ -328,7 +329,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eager_checksums": ratio("eager_checksums", "eager"),
         "eager_checks_off": ratio("eager_checks_off", "eager"),
         "eager_checksums_on_exit": ratio("eager_checksums_on_exit", "eager"),
-        "eager_checksums_matmuls_only": ratio("eager_checksums_matmuls_only", "eager"),
+        "eager_checksums_all_ops": ratio("eager_checksums_all_ops", "eager"),
         "compiled_checksums": ratio("compiled_checksums", "compiled"),
         "compiled_checks_off": ratio("compiled_checks_off", "compiled"),
         "compiled_checksums_per_graph": ratio("compiled_checksums_per_graph", "compiled"),
@@ -338,7 +339,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "coverage": {
             "eager_checksums": 1.0,
             "eager_checksums_on_exit": 1.0,
-            "eager_checksums_matmuls_only": 1.0,
+            "eager_checksums_all_ops": 1.0,
             "compiled_checksums": 1.0,
             "compiled_checksums_per_graph": 1.0,
             "escalation": args.sample_steps,

@@ -2,10 +2,10 @@
 
 ``torch.matmul``, ``F.linear`` and ``nn.Linear`` reach the dispatcher as ``mm``, ``addmm`` or
 ``bmm``; MoE experts as ``_grouped_mm``. The autograd engine carries the window into the
-backward pass, so gradient matmuls are checked too. The window is a ``TorchDispatchMode``, which
-sees every aten op (``intercept="all_ops"``, the default), or a dispatcher key that only the
-covered ops are routed through (``intercept="matmuls"``, :mod:`ttnpu.sdc.intercept`: no other op
-leaves C++, which removes the mode's cost of 12-20 µs per op on a CPU).
+backward pass, so gradient matmuls are checked too. The window is a dispatcher key that only the
+covered ops are routed through (``intercept="matmuls"``, the default, :mod:`ttnpu.sdc.intercept`:
+no other op leaves C++) or a ``TorchDispatchMode``, which sees every aten op
+(``intercept="all_ops"``: 12-20 µs per op on a CPU, a tenth of a small model's step).
 
 Each product's screen is computed as the product runs. Its verdict is read either at once
 (``verdicts="each"``: a host sync per product, and a suspect product is recomputed and confirmed
@@ -56,12 +56,12 @@ class ChecksumMode(TorchDispatchMode):
     ``track_modules`` an event names the innermost module that ran the matmul (this adds global
     module hooks, so it costs a little more). ``verdicts``: when each product's screen is read
     (see the module docstring); :meth:`flush` reads the pending ones before the mode exits.
-    ``intercept``: how products are seen. ``"all_ops"``: as a dispatch mode, which intercepts
-    every aten op while entered, switch off or not (12-20 µs each on a CPU, 10-16% of the
-    bench's step): enter it on the steps that are checked, as ttnpu-trainer does. ``"matmuls"``:
-    only the covered ops reach Python (:func:`~ttnpu.sdc.intercept.covered_ops`; the innermost
-    window of the process receives them, compiled code inside it is not seen: check it with the
-    compiled pass).
+    ``intercept``: how products are seen. ``"matmuls"``: only the covered ops reach Python
+    (:func:`~ttnpu.sdc.intercept.covered_ops`; a product goes to the innermost window of its
+    thread, compiled code inside the window runs compiled and is checked too). ``"all_ops"``: as
+    a dispatch mode, which intercepts every aten op while entered, switch off or not (12-20 µs
+    each on a CPU, 10-16% of the bench's step; Dynamo runs compiled code eagerly under it).
+    Either way, enter it on the steps that are checked, as ttnpu-trainer does.
     """
 
     def __init__(
@@ -73,7 +73,7 @@ class ChecksumMode(TorchDispatchMode):
         sigmas: float = SIGMAS,
         track_modules: bool = False,
         verdicts: Literal["each", "on_exit"] = "each",
-        intercept: Literal["all_ops", "matmuls"] = "all_ops",
+        intercept: Literal["all_ops", "matmuls"] = "matmuls",
     ) -> None:
         super().__init__()
         if verdicts not in ("each", "on_exit"):

@@ -3,7 +3,8 @@
 A ``TorchDispatchMode`` is called from Python for every aten op while it is entered: views,
 pointwise ops and the autograd engine's bookkeeping included (12-20 µs each on a CPU, a tenth of
 a small model's step, and host time an accelerator's queue waits for). Here a Python kernel is
-registered once for each covered overload (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``) at a
+registered once for each covered overload (``mm``, ``addmm``, ``bmm``, ``_grouped_mm``, and the
+``out=`` overloads that code compiled by Inductor calls) at a
 dispatch key that no tensor carries, ``PreDispatch``, whose fallback for every other op is a
 fallthrough, and a window adds that key to the thread's included keys: while it is open, only the
 covered ops reach Python; while none is, no op does. The key is above autograd, so the kernel sees
@@ -15,10 +16,12 @@ and hands the result to the window's handler.
 window would clear the key when its last mode exits, after which the window sees nothing: trace
 outside windows. A product goes to the innermost window its thread opened; the autograd engine
 runs a device's backward on threads of its own, which opened none, so their products go to the
-innermost window of the process (the key travels with the backward pass, so one is open). Results
-that are not plain tensors (fake tensors while ``torch.compile`` traces, functorch wrappers,
-tensor subclasses) are passed on unchecked, and so is compiled code run inside a window (its
-products are the ``out=`` overloads Inductor calls: check it with the compiled pass).
+innermost window of the process (the key travels with the backward pass, so one is open). An op on
+tensors that are not plain (a subclass such as DTensor, fake tensors while ``torch.compile``
+traces, functorch wrappers) is passed on, and the products it runs on plain tensors are checked
+(a DTensor's local products); products inside a covered op's kernel (a CPU grouped mm runs one
+per group) are part of it and not checked again. Code that ``torch.compile`` made runs compiled
+inside a window and its products are checked (a dispatch mode makes Dynamo run it eagerly).
 """
 
 from __future__ import annotations
@@ -46,12 +49,18 @@ _lock = threading.Lock()
 _library: torch.library.Library | None = None
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _kernel(op: Any) -> Callable[..., Any]:
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        out = op.redispatch(keyset & _BELOW, *args, **kwargs)
-        handler = _handler()
-        if handler is not None and type(out) is Tensor:
-            with torch._C._ExcludeDispatchKeyGuard(_OWN):  # the check's own matmuls
+        if not all(type(a) in _PLAIN for a in args if isinstance(a, Tensor)):
+            # a tensor subclass (DTensor) runs its own products on plain tensors: check those
+            return op.redispatch(keyset & _BELOW, *args, **kwargs)
+        with torch._C._ExcludeDispatchKeyGuard(_OWN):  # products inside the op's kernel (a
+            out = op.redispatch(keyset & _BELOW, *args, **kwargs)  # CPU grouped mm) are its own
+            handler = _handler()
+            if handler is not None:  # and those of the check itself are not checked
                 handler(op, args, kwargs, out)
         return out
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .checksum import (
     SIGMAS,
@@ -42,8 +43,12 @@ COVERED_OPS: dict[Any, str] = {
     aten.addmm.default: "addmm",
     aten.bmm.default: "bmm",
     aten._grouped_mm.default: "_grouped_mm",
+    aten.mm.out: "mm",
+    aten.addmm.out: "addmm",
+    aten.bmm.out: "bmm",
 }
-"""aten overloads checked, with short names; ``matmul`` and ``linear`` decompose into these."""
+"""aten overloads checked, with short names; ``matmul`` and ``linear`` decompose into these.
+The ``out=`` overloads are what code compiled by Inductor calls for its products."""
 
 
 @dataclass(frozen=True)
@@ -142,12 +147,17 @@ def eager_screen(op: str, ops: Operands, out: Tensor, sigmas: float = SIGMAS) ->
     global _screens_run
     _screens_run += 1
     fused = _SCREENS["_grouped_mm" if op == "_grouped_mm" else "matmul"]
-    run = fused if _screens_run > SCREENS_COMPILE_AFTER else fused.eager
     a, b, out = ops.a.detach(), ops.b.detach(), out.detach()
     bias = None if ops.bias is None else ops.bias.detach()
-    if op == "_grouped_mm":
-        return run(a, b, out, ops.offs, bias, sigmas)
-    return run(a, b, out, bias, ops.alpha, ops.beta, sigmas)
+    args = (
+        (a, b, out, ops.offs, bias)
+        if op == "_grouped_mm"
+        else (a, b, out, bias, ops.alpha, ops.beta)
+    )
+    if _screens_run > SCREENS_COMPILE_AFTER:
+        return fused(*args, sigmas)
+    with _disable_current_modes():  # a mode around the checked op sees none of the screen's ops
+        return fused.eager(*args, sigmas)
 
 
 def check_and_report(
