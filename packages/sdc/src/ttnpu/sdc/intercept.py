@@ -44,23 +44,23 @@ Handler = Callable[[Any, tuple[Any, ...], dict[str, Any], Tensor], None]
 _KEY = torch._C.DispatchKey.PreDispatch
 _BELOW = torch._C._dispatch_keyset_full_after(_KEY)
 _OWN = torch._C.DispatchKeySet(_KEY)
+_PLAIN = (Tensor, torch.nn.Parameter)
 _handlers: list[tuple[int, Handler]] = []  # (thread, handler) of the open windows, in order
 _lock = threading.Lock()
 _library: torch.library.Library | None = None
 
 
-_PLAIN = (Tensor, torch.nn.Parameter)
-
-
 def _kernel(op: Any) -> Callable[..., Any]:
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if not all(type(a) in _PLAIN for a in args if isinstance(a, Tensor)):
-            # a tensor subclass (DTensor) runs its own products on plain tensors: check those
+            # a tensor subclass (DTensor) runs its products on plain tensors: those are checked
             return op.redispatch(keyset & _BELOW, *args, **kwargs)
-        with torch._C._ExcludeDispatchKeyGuard(_OWN):  # products inside the op's kernel (a
-            out = op.redispatch(keyset & _BELOW, *args, **kwargs)  # CPU grouped mm) are its own
+        # the products an op's kernel runs (a CPU grouped mm: one per group) and the check's
+        # own are not checked again
+        with torch._C._ExcludeDispatchKeyGuard(_OWN):
+            out = op.redispatch(keyset & _BELOW, *args, **kwargs)
             handler = _handler()
-            if handler is not None:  # and those of the check itself are not checked
+            if handler is not None and type(out) in _PLAIN:  # not a fake tensor's
                 handler(op, args, kwargs, out)
         return out
 
