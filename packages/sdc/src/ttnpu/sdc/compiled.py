@@ -8,18 +8,19 @@ product, the rounding bound, the worst row's ratio) as ordinary graph ops, so In
 reductions into its own kernels, one pass over each operand, and over the product together with
 the product's other readers where their loops match. Then
 ``ttnpu_sdc::check_matmul(screen, out, a, b, bias, offs, op, site, alpha, beta)`` reads the
-screen's verdict (one 0-d value) and only a result that does not pass goes through the full
-check, recomputation and report (``verdicts="each"``). With ``verdicts="graph"`` there is one
-such op per graph instead, ``ttnpu_sdc::check_graph(screens, sites)`` after the graph's last
+screen's verdict (one 0-d value) and only a result that does not pass goes through the full check,
+recomputation and report (``verdicts="each"``). With ``verdicts="graph"`` there is one such op per
+graph instead, ``ttnpu_sdc::check_graph(screens, sites, dtypes, shapes)`` after the graph's last
 screen: one call and one host synchronisation per graph instead of one per product (a training
-step's forward and backward graphs hold dozens of products: on an accelerator each sync drains
-its queue), and a product that fails is reported unconfirmed (its operands are gone by then;
-re-running the step under ``"each"`` confirms, as a trainer re-runs any vetoed step). Either op
-asks :data:`~ttnpu.sdc.checksum_switch` at every call whether to read the verdicts (per product
-or per graph): switching checks on or off never recompiles, and while they are off the graph
-still pays the fused screens (``compiled_checks_off`` in ``python -m ttnpu.sdc.bench``), not the
-verdicts' host synchronisation. Nothing here is device-specific: the same ops and pass run
-wherever Inductor does (CPU, CUDA, NPU through torch_npu's Inductor backend).
+step's forward and backward graphs hold dozens of products: on an accelerator each sync drains its
+queue), and a product that fails is reported unconfirmed (its operands are gone by then; re-running
+the step under ``"each"`` confirms, as a trainer re-runs any vetoed step). Either op asks
+:data:`~ttnpu.sdc.checksum_switch` at every call whether to read the verdicts (per product or per
+graph; with ``sample_every`` a graph counts as one call): switching checks on or off never
+recompiles, and while they are off the graph still pays the fused screens (``compiled_checks_off``
+in ``python -m ttnpu.sdc.bench``), not the verdicts' host synchronisation. Nothing here is
+device-specific: the same ops and pass run wherever Inductor does (CPU, CUDA, NPU through
+torch_npu's Inductor backend).
 
 Graphs compiled with ``fault_injection=True`` also get ``ttnpu_sdc::inject(out, op, site)`` right
 after each matmul, before anything reads the product, where :func:`~ttnpu.sdc.arm_compiled_fault`
