@@ -18,9 +18,11 @@ outside windows. A product goes to the innermost window its thread opened; the a
 runs a device's backward on threads of its own, which opened none, so their products go to the
 innermost window of the process (the key travels with the backward pass, so one is open). An op on
 tensors that are not plain (a subclass such as DTensor, fake tensors while ``torch.compile``
-traces, functorch wrappers) is passed on, and the products it runs on plain tensors are checked
-(a DTensor's local products); products inside a covered op's kernel (a CPU grouped mm runs one
-per group) are part of it and not checked again. Code that ``torch.compile`` made runs compiled
+traces, functorch wrappers) is passed on unchecked, and so are the products a subclass runs on
+its local tensors (its dispatch excludes the keys above Python, this one included): a DTensor
+product under tensor parallelism is not checked here (a dispatch mode's screen fails on one).
+Products inside a covered op's kernel (a CPU grouped mm runs one per group) are part of it and
+not checked again. Code that ``torch.compile`` made runs compiled
 inside a window and its products are checked (a dispatch mode makes Dynamo run it eagerly).
 """
 
@@ -53,7 +55,7 @@ _library: torch.library.Library | None = None
 def _kernel(op: Any) -> Callable[..., Any]:
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if not all(type(a) in _PLAIN for a in args if isinstance(a, Tensor)):
-            # a tensor subclass (DTensor) runs its products on plain tensors: those are checked
+            # a tensor subclass (DTensor) or a fake tensor: passed on unchecked
             return op.redispatch(keyset & _BELOW, *args, **kwargs)
         # the products an op's kernel runs (a CPU grouped mm: one per group) and the check's
         # own are not checked again
