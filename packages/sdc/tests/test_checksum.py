@@ -1,4 +1,5 @@
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -6,11 +7,13 @@ import torch
 from ttnpu.sdc import (
     check_grouped_mm,
     check_matmul,
+    checksum,
     flip_bit,
     screen_grouped_mm,
     screen_matmul,
     unit_roundoff,
 )
+from ttnpu.sdc.fused import FusedPerSignature
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -208,3 +211,40 @@ def test_grouped_screen_flags_a_flip_in_any_group() -> None:
         assert float(screen_grouped_mm(a, b, out, offs=offs)) <= 1.0
         out.view(-1)[out.numel() // 2 + 3] += 1000.0
         assert float(screen_grouped_mm(a, b, out, offs=offs)) > 1.0
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["masked", "scatter"])
+def test_the_grouped_screen_forms_agree_and_flag_a_flip_in_any_layout(
+    monkeypatch: pytest.MonkeyPatch, masked: bool
+) -> None:
+    """The compiler's form (masked group sums, or a scatter) gives the
+    eager form's screen for row, K and column groups, with an empty group, indices past the
+    last group (rows of the product that ``_grouped_mm`` leaves unwritten, any bits) and a bias,
+    as written and compiled, and flags a flip in the last group."""
+    monkeypatch.setattr(checksum, "_masked_group_sums", lambda groups, device: masked)
+    compiled = FusedPerSignature(partial(checksum.grouped_mm_screen, fused=True), "test screens")
+    bf = torch.bfloat16
+    offs = torch.tensor([16, 16, 40, 56], dtype=torch.int32)  # 56..64 in no group
+    x, y = torch.randn(64, 32, dtype=bf), torch.randn(64, 16, dtype=bf)
+    cases = {
+        "rows": (x, torch.randn(4, 32, 16, dtype=bf), torch.randn(4, 16, dtype=bf)),
+        "k": (x.t(), y, torch.randn(4, 16, dtype=bf)),
+        "cols": (torch.randn(4, 24, 32, dtype=bf), x.t(), torch.randn(4, 64, dtype=bf)),
+    }
+    for name, (a, b, bias) in cases.items():
+        out = torch._grouped_mm(a, b, offs=offs).float()
+        for g, (s, e) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist(), strict=True)):
+            if name == "rows":
+                out[s:e] += bias[g].float()
+            elif name == "k":
+                out[g] += bias[g].float()
+            else:
+                out[:, s:e] += bias[g, s:e].float()
+        out = out.to(bf)
+        eager = checksum.grouped_mm_screen(a, b, out, offs, bias, checksum.SIGMAS, False)
+        for form in (partial(checksum.grouped_mm_screen, fused=True), compiled):
+            fused = form(a, b, out, offs, bias, checksum.SIGMAS)
+            torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-6, msg=name)
+            assert float(fused) <= 1.0, name
+        flip_bit(out, {"rows": 55 * 16 + 3, "k": out.numel() - 5, "cols": 23 * 64 + 50}[name], 14)
+        assert float(compiled(a, b, out, offs, bias, checksum.SIGMAS)) > 1.0, name

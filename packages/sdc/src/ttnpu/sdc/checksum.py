@@ -506,16 +506,57 @@ def grouped_mm_groups(
     return groups
 
 
-def _group_of(offs: Tensor, length: int) -> Tensor:
-    """The group of each of ``length`` indices; ``len(offs)`` (no group) past the last end."""
-    index = torch.arange(length, device=offs.device, dtype=offs.dtype)
-    return torch.searchsorted(offs, index, right=True)
+MASKED_GROUPS = 16
+"""Compiled, up to this many groups of a grouped mm are told apart by comparisons with each
+group's ends, which a compiler fuses into the passes that use them (no ``searchsorted`` call),
+and may be summed by masks (:func:`_masked_group_sums`)."""
 
 
-def _segment_sum(x: Tensor, group: Tensor, groups: int) -> Tensor:
-    """Sums of the rows of ``x`` in each group: (groups, *x.shape[1:])."""
-    shape = (groups + 1, *x.shape[1:])
-    return x.new_zeros(shape).index_add(0, group, x)[:groups]
+def _masked_group_sums(groups: int, device: torch.device) -> bool:
+    """Whether compiled code sums a grouped mm's groups by one masked reduction per group, which
+    reads the operand once per group, rather than a scatter (``index_add``): on a CPU with more
+    than one thread, up to :data:`MASKED_GROUPS` groups. There the scatter's threads contend for
+    the same group's sums (atomic adds): the K-group screen of 4 groups of 512 tokens takes
+    420 µs by a scatter on 2 threads and 70 µs masked (144 µs masked for 16 groups, as slow as
+    the scatter from about 32). On one thread the scatter is faster (88 µs against 111 µs);
+    on CUDA nothing has measured the masked form, so the scatter stays."""
+    return device.type == "cpu" and torch.get_num_threads() > 1 and groups <= MASKED_GROUPS
+
+
+class _Groups:
+    """The groups of consecutive indices ``0..length`` that ``offs`` ends (an index past the last
+    end is in no group), and sums over them: each index's group by ``searchsorted``, or compiled
+    by comparisons (:data:`MASKED_GROUPS`), and the sums by a scatter (``index_add``) or by masks
+    (:func:`_masked_group_sums`)."""
+
+    def __init__(self, offs: Tensor, length: int, work: torch.dtype, fused: bool) -> None:
+        self.count = offs.numel()
+        self.length = length
+        self.masked = fused and _masked_group_sums(self.count, offs.device)
+        index = torch.arange(length, device=offs.device, dtype=offs.dtype)
+        starts = torch.nn.functional.pad(offs[:-1], (1, 0))
+        self.sizes = (offs - starts).to(work)  # indices per group (k or n of its products)
+        if fused and self.count <= MASKED_GROUPS:
+            self.index = (index.unsqueeze(-1) >= offs).sum(-1)  # (L,): the ends passed
+        else:
+            self.index = torch.searchsorted(offs, index, right=True)
+        if self.masked:
+            self.mask = (index >= starts.unsqueeze(-1)) & (index < offs.unsqueeze(-1))  # (G, L)
+
+    def sum(self, x: Tensor) -> Tensor:
+        """Sums of the rows of ``x`` (length, ...) in each group: (groups, ...)."""
+        if self.masked:
+            mask = self.mask.view(self.count, self.length, *(1,) * (x.dim() - 1))
+            return torch.where(mask, x.unsqueeze(0), 0).sum(1)
+        shape = (self.count + 1, *x.shape[1:])
+        return x.new_zeros(shape).index_add(0, self.index, x)[: self.count]
+
+    def one_hot(self, dtype: torch.dtype) -> Tensor:
+        """(groups, length): 1 where an index is in the group."""
+        if self.masked:
+            return self.mask.to(dtype)
+        one_hot = torch.nn.functional.one_hot(self.index, self.count + 1)
+        return one_hot[:, : self.count].t().to(dtype)
 
 
 def _grouped_row_sums(
@@ -526,9 +567,9 @@ def _grouped_row_sums(
     groups. Rows past the last group end belong to no group and are not judged."""
     work = _work_dtype(out.dtype)
     a_, b_ = a.to(work), b.to(work)
-    groups = offs.numel()
     if b.dim() == 3:  # groups of rows: the expert forward
-        group = _group_of(offs, a.shape[0])
+        groups = _Groups(offs, a.shape[0], work, fused)
+        group = groups.index
         pad = a_.new_zeros(1)  # rows of no group: zero sums and magnitude
         b_sum, b_fro = _sums_along_rows(b_, fused)
         if fused:  # a compiler gathers each row's group sums inside its one pass over A
@@ -543,35 +584,35 @@ def _grouped_row_sums(
             expected = expected + torch.cat([bias_.sum(-1), pad])[group]
             mag = mag + torch.cat([bias_.abs().sum(-1), pad])[group]
         c_sum, c_norm = _sum_and_norm(out, work)
-        expected = torch.where(group < groups, expected, c_sum)
+        in_group = group < groups.count  # the other rows of out are not written: any bits
+        c_sum, c_norm = torch.where(in_group, c_sum, 0), torch.where(in_group, c_norm, 0)
         return _RowSums(expected, mag, c_sum, c_norm, a.shape[-1], b.shape[-1]), c_sum.shape
     if a.dim() == 2:  # groups along K: the expert weight gradient, out (G, M, N)
-        group = _group_of(offs, a.shape[-1])
+        groups = _Groups(offs, a.shape[-1], work, fused)
         a_t = a_.t()  # (K, M): contiguous for the usual transposed activations
-        expected = _segment_sum(a_t * b_.sum(-1, keepdim=True), group, groups)  # (G, M)
-        a_norm = _segment_sum(a_t.square(), group, groups).sqrt()
-        b_fro = _segment_sum(b_.square().sum(-1), group, groups).sqrt()  # (G,)
+        expected = groups.sum(a_t * b_.sum(-1, keepdim=True))  # (G, M)
+        a_norm = groups.sum(a_t.square()).sqrt()
+        b_fro = groups.sum(b_.square().sum(-1)).sqrt()  # (G,)
         mag = a_norm * (b_fro * math.sqrt(b.shape[-1])).unsqueeze(-1)
         if bias is not None:
             bias_ = bias.to(work)
             expected = expected + bias_.sum(-1, keepdim=True)
             mag = mag + bias_.abs().sum(-1, keepdim=True)
-        k = _segment_sum(a_.new_ones(a.shape[-1]), group, groups)
         c_sum, c_norm = _sum_and_norm(out, work)
-        return _RowSums(expected, mag, c_sum, c_norm, k.unsqueeze(-1), b.shape[-1]), c_sum.shape
-    group = _group_of(offs, b.shape[-1])  # groups of columns, out (M, N)
-    expected = torch.einsum("gmk,gk->mg", a_, _segment_sum(b_.t(), group, groups))
-    b_fro = _segment_sum(b_.square().sum(0), group, groups).sqrt()  # (G,)
-    n = _segment_sum(b_.new_ones(b.shape[-1]), group, groups)
+        k = groups.sizes.unsqueeze(-1)
+        return _RowSums(expected, mag, c_sum, c_norm, k, b.shape[-1]), c_sum.shape
+    groups = _Groups(offs, b.shape[-1], work, fused)  # groups of columns, out (M, N)
+    expected = torch.einsum("gmk,gk->mg", a_, groups.sum(b_.t()))
+    b_fro = groups.sum(b_.square().sum(0)).sqrt()  # (G,)
+    n = groups.sizes
     mag = _norm(a_, -1).t() * b_fro * n.sqrt()
     if bias is not None:
-        in_group = torch.nn.functional.one_hot(group, groups + 1)[:, :groups].t().to(work)
-        bias_ = bias.to(work) * in_group  # (G, N): each group's bias over its own columns
+        bias_ = bias.to(work) * groups.one_hot(work)  # (G, N): each group's bias over its columns
         expected = expected + bias_.sum(-1)
         mag = mag + bias_.abs().sum(-1)
     c_ = out.to(work)
-    c_sum = _segment_sum(c_.t(), group, groups).t()
-    c_norm = _segment_sum(c_.t().square(), group, groups).sqrt().t()
+    c_sum = groups.sum(c_.t()).t()
+    c_norm = groups.sum(c_.t().square()).sqrt().t()
     return _RowSums(expected, mag, c_sum, c_norm, a.shape[-1], n), c_sum.shape
 
 
