@@ -219,14 +219,15 @@ def test_the_grouped_screen_forms_agree_and_flag_a_flip_in_any_layout(
 ) -> None:
     """The compiler's form (masked group sums, or a scatter) gives the
     eager form's screen for row, K and column groups, with an empty group, indices past the
-    last group (rows and columns of the product that ``_grouped_mm`` leaves unwritten, any bits)
-    and a bias,
+    last group (NaN in the operands' padding and in the rows and columns of the product that
+    ``_grouped_mm`` leaves unwritten) and a bias,
     as written and compiled, and flags a flip in the last group."""
     monkeypatch.setattr(checksum, "_masked_group_sums", lambda groups, device: masked)
     compiled = FusedPerSignature(partial(checksum.grouped_mm_screen, fused=True), "test screens")
     bf = torch.bfloat16
     offs = torch.tensor([16, 16, 40, 56], dtype=torch.int32)  # 56..64 in no group
     x, y = torch.randn(64, 32, dtype=bf), torch.randn(64, 16, dtype=bf)
+    x[56:] = math.nan  # padding past the last group, in every layout's operand
     cases = {
         "rows": (x, torch.randn(4, 32, 16, dtype=bf), torch.randn(4, 16, dtype=bf)),
         "k": (x.t(), y, torch.randn(4, 16, dtype=bf)),

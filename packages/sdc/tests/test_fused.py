@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ttnpu.sdc import comm, flip_bit, sites
-from ttnpu.sdc.checksum import matmul_screen
+from ttnpu.sdc.checksum import grouped_mm_routed_dims, grouped_mm_screen, matmul_screen
 from ttnpu.sdc.fused import Fused, FusedPerSignature
 from ttnpu.sdc.sites import Operands
 
@@ -132,6 +132,55 @@ def test_a_screen_compiles_once_per_signature_and_runs_each_as_compiled() -> Non
         x, out = products[1]
         flip_bit(out, 7, 14)
         assert float(fused(x, b, out, None, 1.0, 1.0, 6.0)) > 1.0
+
+
+def _routed(layout: str, rows: int) -> tuple[torch.Tensor, ...]:
+    """A grouped product of ``rows`` routed rows (4 experts) in one of its three layouts."""
+    offs = torch.tensor([rows // 4, rows // 2, 3 * rows // 4, rows], dtype=torch.int32)
+    x = torch.randn(rows, 32, dtype=bf)
+    a, b = {
+        "rows": (x, torch.randn(4, 32, 16, dtype=bf)),
+        "k": (x.t(), torch.randn(rows, 16, dtype=bf)),
+        "cols": (torch.randn(4, 24, 32, dtype=bf), x.t()),
+    }[layout]
+    return a, b, torch._grouped_mm(a, b, offs=offs), offs, None
+
+
+@pytest.mark.parametrize("layout", ["rows", "k", "cols"])
+def test_a_grouped_screen_compiles_once_whatever_rows_are_routed(layout: str) -> None:
+    """Under expert parallelism the rows a rank's experts receive change every step: one graph
+    over symbolic sizes screens them all as the eager form does (0 and 1 rows, which the
+    compiler specialises, get their own), and catches a flip at a count it was not compiled
+    for."""
+    fused = FusedPerSignature(
+        partial(grouped_mm_screen, fused=True),
+        "test screens",
+        eager=partial(grouped_mm_screen, fused=False),
+        dynamic=grouped_mm_routed_dims,
+    )
+    with torch.no_grad():
+        for rows in (64, 96, 200, 1, 0):
+            args = _routed(layout, rows)
+            value, eager = fused(*args, 6.0), grouped_mm_screen(*args, 6.0, False)
+            torch.testing.assert_close(value, eager, rtol=1e-3, atol=1e-4)
+            assert float(value) <= 1.0
+            assert len(fused.graphs) == 1 + (rows <= 1) + (rows == 0), rows
+        a, b, out, offs, bias = _routed(layout, 136)
+        flip_bit(out, out.numel() // 2 + 3, 14)
+        assert float(fused(a, b, out, offs, bias, 6.0)) > 1.0
+    assert len(fused.graphs) == 3 and not fused.failed
+
+
+def test_a_call_that_breaks_what_a_symbolic_graph_assumed_runs_as_written() -> None:
+    """The graph compiled for 10 rows took the branch for more than 8: 4 rows share its
+    signature but not that condition, and run the function as written."""
+    fused = FusedPerSignature(
+        lambda t: t.sum() if t.shape[0] > 8 else -t.sum(), "test checks", dynamic=lambda t: ((0,),)
+    )
+    with torch.no_grad():
+        assert float(fused(torch.ones(10))) == 10.0 and float(fused(torch.ones(12))) == 12.0
+        assert float(fused(torch.ones(4))) == -4.0
+    assert len(fused.graphs) == 1
 
 
 def test_past_its_signature_limit_a_screen_runs_as_written(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -296,7 +296,7 @@ def _worst_ratio(
     bound = _bound(s, out_dtype, in_dtype, sigmas)
     ratio = (s.c_sum - s.expected).abs() / bound.clamp_min(torch.finfo(bound.dtype).tiny)
     ratio = torch.where(torch.isfinite(bound), ratio, math.inf)
-    return torch.nn.functional.pad(ratio.reshape(-1), (0, 1)).amax()
+    return torch.cat([ratio.reshape(-1), ratio.new_zeros(1)]).amax()  # (pad specialises shapes)
 
 
 def screen_matmul(
@@ -584,8 +584,11 @@ def _grouped_row_sums(
             expected = expected + torch.cat([bias_.sum(-1), pad])[group]
             mag = mag + torch.cat([bias_.abs().sum(-1), pad])[group]
         c_sum, c_norm = _sum_and_norm(out, work)
-        in_group = group < groups.count  # the other rows of out are not written: any bits
-        c_sum, c_norm = torch.where(in_group, c_sum, 0), torch.where(in_group, c_norm, 0)
+        # Rows of no group: out's are not written and a's may be padding, any bits (NaN too).
+        in_group = group < groups.count
+        expected, mag, c_sum, c_norm = (
+            torch.where(in_group, x, 0) for x in (expected, mag, c_sum, c_norm)
+        )
         return _RowSums(expected, mag, c_sum, c_norm, a.shape[-1], b.shape[-1]), c_sum.shape
     if a.dim() == 2:  # groups along K: the expert weight gradient, out (G, M, N)
         groups = _Groups(offs, a.shape[-1], work, fused)
@@ -614,6 +617,21 @@ def _grouped_row_sums(
     c_sum = groups.sum(c_.t()).t()
     c_norm = groups.sum(c_.t().square()).sqrt().t()
     return _RowSums(expected, mag, c_sum, c_norm, a.shape[-1], n), c_sum.shape
+
+
+def grouped_mm_routed_dims(
+    a: Tensor, b: Tensor, out: Tensor, offs: Tensor | None, bias: Tensor | None, *_: Any
+) -> tuple[tuple[int, ...], ...]:
+    """The dims of :func:`grouped_mm_screen`'s tensor arguments (a, b, out, offs, bias) that
+    the groups index: their length is the rows routed to the experts, which under expert
+    parallelism changes every step. None for a batched product (no ``offs``)."""
+    if offs is None:
+        return ()
+    if b.dim() == 3:  # groups of rows
+        return ((0,), (), (0,), (), ())
+    if a.dim() == 2:  # groups along K
+        return ((1,), (0,), (), (), ())
+    return ((), (1,), (1,), (), (1,))  # groups of columns
 
 
 def _validate_grouped(

@@ -18,6 +18,7 @@ from .checksum import (
     SIGMAS,
     check_grouped_mm,
     check_matmul,
+    grouped_mm_routed_dims,
     grouped_mm_screen,
     matmul_screen,
 )
@@ -110,9 +111,9 @@ _screens_run = 0
 # Eagerly a screen is ~10 small kernels, each reading its operand again (0.5 ms for a
 # 512x256x768 bf16 product on a CPU, half of the GEMM); compiled, one pass over each operand
 # (0.08 ms), once per signature of the product (shapes, strides: a training step repeats its
-# few dozen every step, except where a shape follows the data, as the tokens a rank's experts
-# receive under expert parallelism; see the README's limits) and called without Dynamo, whose
-# per-call cost is as large as a small product's whole screen. Compiling costs 1-2 s a
+# few dozen every step; the rows routed to grouped products' experts, which follow the data
+# under expert parallelism, are symbolic sizes, so those compile once) and called without
+# Dynamo, whose per-call cost is as large as a small product's whole screen. Compiling costs 1-2 s a
 # signature on a 2-core CPU with Inductor's cache cold: the screens compile after the process's
 # first 20,000, so a process that checks a few steps (a test, a short run, sampled steps) runs
 # them op by op and a long one compiles each signature once.
@@ -125,6 +126,7 @@ _SCREENS = {
         partial(grouped_mm_screen, fused=True),
         _WHAT,
         eager=partial(grouped_mm_screen, fused=False),
+        dynamic=grouped_mm_routed_dims,
     ),
 }
 
