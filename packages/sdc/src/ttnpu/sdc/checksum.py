@@ -624,7 +624,7 @@ def grouped_mm_routed_dims(
 ) -> tuple[tuple[int, ...], ...]:
     """The dims of :func:`grouped_mm_screen`'s tensor arguments (a, b, out, offs, bias) that
     the groups index: their length is the rows routed to the experts, which under expert
-    parallelism changes every step. None for a batched product (no ``offs``)."""
+    parallelism changes every step. None of a batched product's (no ``offs``)."""
     if offs is None:
         return ()
     if b.dim() == 3:  # groups of rows
